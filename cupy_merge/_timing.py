@@ -1,0 +1,30 @@
+"""GPU timing with CUDA events: median of repetitions after warm-up, L2 flushed between them."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import cupy
+
+# Larger than the L2 of any current GPU (H200: 60 MB), so each timed run starts cold.
+_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+def median_ms(run: Callable[[], None], *, warmup: int = 5, repeat: int = 30, flush_l2: bool = True) -> float:
+    """Median milliseconds of ``run()`` on CuPy's current stream."""
+    stream = cupy.cuda.get_current_stream()
+    flush = cupy.empty(_FLUSH_BYTES, dtype=cupy.uint8) if flush_l2 else None
+    for _ in range(warmup):
+        run()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(repeat):
+        if flush is not None:
+            flush.fill(1)
+        start.record(stream)
+        run()
+        stop.record(stream)
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)

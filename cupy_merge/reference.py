@@ -1,0 +1,84 @@
+"""NumPy float64 reference of the merge, with the same rules for empty and NaN rows.
+
+Meant for tests and for users' own checks: slow, exact to float64, host only.
+Pass NumPy arrays (``cupy_array.get()``, ``tensor.float().cpu().numpy()``).
+
+Example
+-------
+>>> import numpy as np
+>>> from cupy_merge import reference
+>>> v = np.ones((2, 1, 4)); s = np.zeros((1, 2))
+>>> out, lse = reference.merge_state(v, s, 3 * v, s)
+>>> out[0, 0], lse[0]
+(array([2., 2., 2., 2.]), array([0.69314718, 0.69314718]))
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def merge_state(v_a, s_a, v_b, s_b) -> tuple[np.ndarray, np.ndarray]:
+    """Merge two attention states in float64.
+
+    Parameters
+    ----------
+    v_a, v_b : array_like, ``[num_tokens, num_heads, head_size]``
+        Attention outputs of the two pieces.
+    s_a, s_b : array_like, ``[num_heads, num_tokens]``
+        Their natural-log log-sum-exp of the attention scores.
+
+    Returns
+    -------
+    (v, s) : float64 arrays ``[num_tokens, num_heads, head_size]`` and ``[num_heads, num_tokens]``.
+    """
+    return _merge(np.stack([_f64(v_a), _f64(v_b)]), np.stack([_f64(s_a), _f64(s_b)]))
+
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def _merge(v: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``v`` ``[states, tokens, heads, dim]``, ``s`` ``[states, heads, tokens]``."""
+    s = np.where(s == np.inf, -np.inf, s)  # FlashAttention-2 marks empty rows with +inf
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        s_max = np.max(s, axis=0)
+        all_empty = s_max == -np.inf
+        shifted = s - np.where(all_empty, 0.0, s_max)
+        weights = np.exp(shifted)
+        total = weights.sum(axis=0)
+        weights = weights / np.where(all_empty, 1.0, total)
+        lse = np.where(all_empty, -np.inf, s_max + np.log(total))
+        # [states, heads, tokens] -> [states, tokens, heads, 1], to scale rows of v.
+        w = np.swapaxes(weights, 1, 2)[..., None]
+        # A state of weight zero contributes nothing, even if its values are NaN.
+        contributions = np.where(w == 0.0, 0.0, w * v)
+    return contributions.sum(axis=0), lse
+
+
+def attention(q, k, v, scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax attention in float64, returning the output and its log-sum-exp.
+
+    Parameters
+    ----------
+    q : ``[num_tokens, num_heads, head_size]``
+    k, v : ``[kv_len, num_heads, head_size]``
+    scale : defaults to ``1 / sqrt(head_size)``
+
+    Returns
+    -------
+    (out, lse) : ``[num_tokens, num_heads, head_size]`` and ``[num_heads, num_tokens]``;
+    an empty KV (``kv_len == 0``) gives zeros and ``-inf``, the convention the merge uses.
+    """
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    if scale is None:
+        scale = 1.0 / np.sqrt(q.shape[-1])
+    scores = np.einsum("thd,khd->htk", q, k) * scale
+    if k.shape[0] == 0:
+        return np.zeros(q.shape[:2] + v.shape[2:]), np.full(scores.shape[:2], -np.inf)
+    s_max = scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores - s_max)
+    total = p.sum(axis=-1, keepdims=True)
+    out = np.einsum("htk,khd->thd", p / total, v)
+    return out, (s_max + np.log(total))[..., 0]

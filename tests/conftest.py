@@ -1,0 +1,36 @@
+"""Shared fixtures: GPU detection, random states, and conversions to float64 on the host."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+
+def _gpu_count() -> int:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() if cupy.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+GPU_COUNT = _gpu_count()
+
+# JAX otherwise takes most of the GPU's memory at import, starving the other tests.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and GPU_COUNT == 0:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng():
+    # Fresh data every run: a fixed seed would let a wrong kernel pass by luck forever.
+    return np.random.default_rng()

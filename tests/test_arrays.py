@@ -1,0 +1,75 @@
+"""Host arrays and unknown objects are refused, by name, before anything runs (no GPU needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupy_merge as cm
+from cupy_merge import _arrays
+
+
+def test_numpy_values_are_refused_naming_the_argument():
+    v = np.ones((2, 3, 8), dtype=np.float16)
+    s = np.zeros((3, 2), dtype=np.float32)
+    with pytest.raises(TypeError, match=r"^v_a: expected an array in GPU memory.*NumPy"):
+        cm.merge_state(v, s, v, s)
+    with pytest.raises(TypeError, match=r"^prefix_output: expected an array in GPU memory"):
+        cm.merge_attn_states(v, v, s, v, s)
+
+
+@pytest.mark.parametrize("name", ["s_a", "out_lse", "suffix_output"])
+def test_host_arrays_are_refused_under_any_argument_name(name):
+    with pytest.raises(TypeError, match=rf"^{name}: expected"):
+        _arrays.describe(np.zeros((2, 2), dtype=np.float32), name)
+
+
+def test_cpu_torch_tensors_are_refused():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"^s_b: expected a torch tensor on a CUDA device, got one on cpu"):
+        _arrays.describe(torch.zeros(3, 2), "s_b")
+    v = torch.zeros(2, 3, 8)
+    with pytest.raises(TypeError, match=r"^v_a: expected a torch tensor on a CUDA device"):
+        cm.merge_state(v, torch.zeros(3, 2), v, torch.zeros(3, 2))
+
+
+class _HostDLPack:
+    def __dlpack__(self, stream=None):
+        raise AssertionError("must not be exported")
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def test_cpu_dlpack_producers_are_refused_without_export():
+    with pytest.raises(TypeError, match=r"^v_b: expected an array in GPU memory.*DLPack device type is 1"):
+        _arrays.describe(_HostDLPack(), "v_b")
+
+
+@pytest.mark.parametrize("value", [[1.0, 2.0], 3.0, "array", None])
+def test_non_arrays_are_refused(value):
+    with pytest.raises(TypeError, match=r"^out: expected a CuPy array, a torch CUDA tensor"):
+        _arrays.describe(value, "out")
+
+
+@pytest.mark.parametrize("stream", [1.5, "default", object()])
+def test_unusable_stream_is_refused(stream):
+    with pytest.raises(TypeError, match=r"^stream: expected"):
+        _arrays.stream_pointer(stream, "cupy", 0)
+
+
+def test_streams_are_read_from_every_protocol():
+    class CupyLike:
+        ptr = 11
+
+    class TorchLike:
+        cuda_stream = 12
+
+    class CudaPython:
+        def __cuda_stream__(self):
+            return (0, 13)
+
+    assert _arrays.stream_pointer(10, "cupy", 0) == 10
+    assert _arrays.stream_pointer(CupyLike(), "cupy", 0) == 11
+    assert _arrays.stream_pointer(TorchLike(), "torch", 0) == 12
+    assert _arrays.stream_pointer(CudaPython(), "cupy", 0) == 13
