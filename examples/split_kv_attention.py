@@ -19,7 +19,8 @@ def attention_with_lse(q, k, v):
     s_max = scores.max(axis=-1, keepdims=True)
     p = cupy.exp(scores - s_max)
     total = p.sum(axis=-1, keepdims=True)
-    out = cupy.einsum("htk,khd->thd", p / total, v)
+    # einsum may return a layout with a strided head_size axis; the merge wants it contiguous.
+    out = cupy.ascontiguousarray(cupy.einsum("htk,khd->thd", p / total, v))
     return out, (s_max + cupy.log(total))[..., 0]
 
 
