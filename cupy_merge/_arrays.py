@@ -32,7 +32,8 @@ class ArrayView(NamedTuple):
     device: int
 
 
-_TORCH_DTYPE_NAMES: dict[Any, str] = {}
+# dtype object -> name. numpy's dtype.name is computed in Python on every access (~4 us a call).
+_DTYPE_NAMES: dict[Any, str] = {}
 
 
 def _torch():
@@ -90,11 +91,15 @@ def from_dlpack(obj: Any) -> cupy.ndarray:
 
 def _describe_cupy(a: cupy.ndarray) -> ArrayView:
     itemsize = a.itemsize
+    dtype = a.dtype
+    dtype_name = _DTYPE_NAMES.get(dtype)
+    if dtype_name is None:
+        dtype_name = _DTYPE_NAMES.setdefault(dtype, dtype.name)
     return ArrayView(
         a.data.ptr,
         a.shape,
         tuple(s // itemsize for s in a.strides),
-        a.dtype.name,
+        dtype_name,
         itemsize,
         a.device.id,
     )
@@ -108,9 +113,9 @@ def _describe_torch(t: Any, name: str) -> ArrayView:
             f"move it with .cuda()"
         )
     dtype = t.dtype
-    dtype_name = _TORCH_DTYPE_NAMES.get(dtype)
+    dtype_name = _DTYPE_NAMES.get(dtype)
     if dtype_name is None:
-        dtype_name = _TORCH_DTYPE_NAMES.setdefault(dtype, str(dtype).removeprefix("torch."))
+        dtype_name = _DTYPE_NAMES.setdefault(dtype, str(dtype).removeprefix("torch."))
     return ArrayView(t.data_ptr(), tuple(t.shape), t.stride(), dtype_name, t.element_size(), device)
 
 
