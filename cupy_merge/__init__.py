@@ -11,4 +11,4 @@ from .merge import merge_attn_states, merge_state
 
 __version__ = "0.1.0"
 
-__all__ = ["KernelCompileError", "merge_attn_states", "merge_state", "reference", "__version__"]
+__all__ = ["KernelCompileError", "__version__", "merge_attn_states", "merge_state", "reference"]

@@ -79,7 +79,7 @@ def _cupy_dtype(name: str):
             dtype = numpy.dtype(name)
         cupy.empty(1, dtype=dtype)
         return dtype
-    except Exception:
+    except (ImportError, TypeError, ValueError, NotImplementedError):
         return None
 
 
@@ -88,7 +88,9 @@ def main() -> int:
     if not cupy.cuda.is_available():
         started = time.perf_counter()
         count = len(_kernels.compile_offline("90"))
-        print(f"compiled {count} kernel instantiations for sm_90 with NVRTC in {time.perf_counter() - started:.2f} s")
+        print(
+            f"compiled {count} kernel instantiations for sm_90 with NVRTC in {time.perf_counter() - started:.2f} s"
+        )
         print("no GPU here: nothing to run; the kernels compile")
         return 0
     started = time.perf_counter()

@@ -109,8 +109,7 @@ def _describe_torch(t: Any, name: str) -> ArrayView:
     device = t.get_device()
     if device < 0:
         raise TypeError(
-            f"{name}: expected a torch tensor on a CUDA device, got one on {t.device}; "
-            f"move it with .cuda()"
+            f"{name}: expected a torch tensor on a CUDA device, got one on {t.device}; move it with .cuda()"
         )
     dtype = t.dtype
     dtype_name = _DTYPE_NAMES.get(dtype)

@@ -50,7 +50,7 @@ def kernel_source(name: str) -> str:
     return _INCLUDE.sub(inline, (folder / name).read_text(encoding="utf-8"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _module(source_name: str, device: int) -> cupy.RawModule:
     return cupy.RawModule(
         code=kernel_source(source_name),
@@ -60,9 +60,7 @@ def _module(source_name: str, device: int) -> cupy.RawModule:
     )
 
 
-_SOURCE_OF_KERNEL = {
-    kernel: source for source, kernels in KERNEL_SOURCES.items() for kernel in kernels()
-}
+_SOURCE_OF_KERNEL = {kernel: source for source, kernels in KERNEL_SOURCES.items() for kernel in kernels()}
 _functions: dict[tuple[str, int], object] = {}
 _functions_lock = threading.Lock()
 

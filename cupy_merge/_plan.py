@@ -8,7 +8,7 @@ error names the argument it is about and says what was expected.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 from ._arrays import ArrayView
 
@@ -95,13 +95,13 @@ def check_two_states(
 @functools.lru_cache(maxsize=4096)
 def plan_two_way(
     out: ArrayView,
-    out_lse: Optional[ArrayView],
+    out_lse: ArrayView | None,
     v_a: ArrayView,
     s_a: ArrayView,
     v_b: ArrayView,
     s_b: ArrayView,
     names: TwoStateNames,
-) -> Optional[LaunchPlan]:
+) -> LaunchPlan | None:
     """Check everything and plan the launch, remembered per set of views.
 
     Serving loops call the merge on the same buffers step after step; the plan
@@ -115,13 +115,13 @@ def plan_two_way(
 def plan_merge_two(
     state: StateShape,
     out: ArrayView,
-    out_lse: Optional[ArrayView],
+    out_lse: ArrayView | None,
     v_a: ArrayView,
     s_a: ArrayView,
     v_b: ArrayView,
     s_b: ArrayView,
     names: TwoStateNames,
-) -> Optional[LaunchPlan]:
+) -> LaunchPlan | None:
     """Check the outputs and choose the launch; ``None`` when there is nothing to write."""
     num_tokens, num_heads, head_size = state.num_tokens, state.num_heads, state.head_size
     _expect_ndim(out, 3, names.out, "[num_tokens, num_heads, head_size]")
@@ -228,10 +228,12 @@ def _expect_unit_last_stride(view: ArrayView, name: str) -> None:
 
 def _expect_device(view: ArrayView, device: int, name: str, like_name: str) -> None:
     if view.device != device:
-        raise ValueError(f"{name}: expected an array on device {device} (where {like_name} is), got device {view.device}")
+        raise ValueError(
+            f"{name}: expected an array on device {device} (where {like_name} is), got device {view.device}"
+        )
 
 
-def _byte_extent(view: ArrayView) -> Optional[tuple[int, int]]:
+def _byte_extent(view: ArrayView) -> tuple[int, int] | None:
     """[first, last) byte touched by ``view``, or ``None`` for an empty array."""
     if 0 in view.shape:
         return None

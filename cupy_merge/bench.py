@@ -20,7 +20,6 @@ import sys
 import time
 
 import cupy
-import numpy
 
 from . import merge_attn_states
 from ._timing import median_ms
@@ -50,7 +49,10 @@ def _states(tokens, heads, head_size, dtype, torch):
         v = [torch.randn(tokens, heads, head_size, device="cuda", dtype=tdtype) for _ in range(3)]
         s = [torch.randn(heads, tokens, device="cuda") * 4 for _ in range(3)]
     else:
-        v = [cupy.random.standard_normal((tokens, heads, head_size), dtype=cupy.float32).astype(dtype) for _ in range(3)]
+        v = [
+            cupy.random.standard_normal((tokens, heads, head_size), dtype=cupy.float32).astype(dtype)
+            for _ in range(3)
+        ]
         s = [cupy.random.standard_normal((heads, tokens), dtype=cupy.float32) * 4 for _ in range(3)]
     return v, s
 
@@ -124,7 +126,9 @@ COLUMNS = [
 
 
 def format_table(rows: list[dict]) -> str:
-    header = " ".join(f"{name:>{len(fmt.format(0) if 'f' in fmt else fmt.format('x'))}}" for name, fmt in COLUMNS)
+    header = " ".join(
+        f"{name:>{len(fmt.format(0) if 'f' in fmt else fmt.format('x'))}}" for name, fmt in COLUMNS
+    )
     lines = [header]
     for row in rows:
         cells = []

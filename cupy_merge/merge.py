@@ -11,7 +11,7 @@ Shapes, everywhere in this package:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from . import _arrays, _kernels, _plan
 
@@ -27,7 +27,7 @@ def merge_attn_states(
     prefix_lse: Any,
     suffix_output: Any,
     suffix_lse: Any,
-    output_lse: Optional[Any] = None,
+    output_lse: Any | None = None,
     *,
     stream: Any = None,
 ) -> None:
@@ -71,8 +71,8 @@ def merge_state(
     v_b: Any,
     s_b: Any,
     *,
-    out: Optional[Any] = None,
-    out_lse: Optional[Any] = None,
+    out: Any | None = None,
+    out_lse: Any | None = None,
     stream: Any = None,
 ) -> tuple[Any, Any]:
     """Merge two attention states and return the merged ``(v, s)``.
@@ -131,7 +131,7 @@ def _describe_inputs(v_a, s_a, v_b, s_b, names: _plan.TwoStateNames) -> tuple:
     )
 
 
-def _launch(plan: Optional[_plan.LaunchPlan], device: int, stream: Any, kind: str) -> None:
+def _launch(plan: _plan.LaunchPlan | None, device: int, stream: Any, kind: str) -> None:
     stream_ptr = _arrays.stream_pointer(stream, kind, device)  # checked even when there is nothing to do
     if plan is not None:
         _kernels.launch(plan, device, stream_ptr)

@@ -18,4 +18,6 @@ cm.merge_state(v_a, s_a, v_b, s_b, out=v_a, out_lse=s_a)  # in place, into the f
 
 error = np.linalg.norm(v.get() - want_v) / np.linalg.norm(want_v)
 print(f"merged {v.shape} {v.dtype}; relative error against float64: {error:.1e}")
-print("in-place result equals the functional one:", bool(cupy.array_equal(v_a, v) and cupy.array_equal(s_a, s)))
+print(
+    "in-place result equals the functional one:", bool(cupy.array_equal(v_a, v) and cupy.array_equal(s_a, s))
+)

@@ -7,7 +7,6 @@ names the exception and the argument the message must start with.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
 
 TOKENS, HEADS, HEAD_SIZE = 5, 3, 16
 
@@ -18,7 +17,7 @@ class Spec:
     dtype: str
     last_stride: int = 1
     device: int = 0
-    overlaps: Optional[str] = None  # another argument this one partly overlaps
+    overlaps: str | None = None  # another argument this one partly overlaps
 
 
 VALUES = Spec((TOKENS, HEADS, HEAD_SIZE), "float16")
@@ -39,7 +38,9 @@ BAD_CASES = [
     BadCase("values-2d", "v_a", replace(VALUES, shape=(TOKENS, HEADS * HEAD_SIZE)), ValueError),
     BadCase("lse-3d", "s_a", replace(LSE, shape=(HEADS, TOKENS, 1)), ValueError),
     BadCase("out-4d", "out", replace(VALUES, shape=(TOKENS, HEADS, HEAD_SIZE, 1)), ValueError),
-    BadCase("values-shape-mismatch", "v_b", replace(VALUES, shape=(TOKENS, HEADS, HEAD_SIZE + 8)), ValueError),
+    BadCase(
+        "values-shape-mismatch", "v_b", replace(VALUES, shape=(TOKENS, HEADS, HEAD_SIZE + 8)), ValueError
+    ),
     BadCase("lse-token-major", "s_b", replace(LSE, shape=(TOKENS, HEADS)), ValueError),
     BadCase("lse-too-few-tokens", "s_a", replace(LSE, shape=(HEADS, TOKENS - 1)), ValueError),
     BadCase("out-shape-mismatch", "out", replace(VALUES, shape=(TOKENS + 1, HEADS, HEAD_SIZE)), ValueError),

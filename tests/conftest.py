@@ -13,7 +13,7 @@ def _gpu_count() -> int:
         import cupy
 
         return cupy.cuda.runtime.getDeviceCount() if cupy.cuda.is_available() else 0
-    except Exception:
+    except (ImportError, RuntimeError):  # CUDARuntimeError is a RuntimeError
         return 0
 
 

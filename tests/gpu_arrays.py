@@ -17,7 +17,7 @@ def cupy_supports(dtype: str) -> bool:
     try:
         cupy.zeros(1, dtype=bfloat16_dtype() if dtype == "bfloat16" else dtype)
         return True
-    except Exception:
+    except (ImportError, TypeError, ValueError, NotImplementedError):
         return False
 
 

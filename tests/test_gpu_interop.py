@@ -96,7 +96,9 @@ def test_torch_cuda_graph_capture_and_replay():
 def test_cupy_launch_runs_on_cupys_current_stream(rng):
     import cupy
 
-    v_a, v_b = (cupy.asarray(rng.standard_normal((TOKENS, HEADS, HEAD_SIZE)), dtype=cupy.float16) for _ in range(2))
+    v_a, v_b = (
+        cupy.asarray(rng.standard_normal((TOKENS, HEADS, HEAD_SIZE)), dtype=cupy.float16) for _ in range(2)
+    )
     s_a, s_b = (cupy.asarray(rng.standard_normal((HEADS, TOKENS)), dtype=cupy.float32) for _ in range(2))
     fresh = cupy.asarray(rng.standard_normal(v_a.shape), dtype=cupy.float16)
     inputs_ready = cupy.cuda.get_current_stream().record()
@@ -146,8 +148,14 @@ def test_merge_runs_on_the_device_holding_the_arrays(rng):
     import cupy
 
     with cupy.cuda.Device(1):
-        states = [to_device(rng.standard_normal((64, 4, 64)), "float16"), to_device(rng.standard_normal((4, 64)), "float32")]
-        states += [to_device(rng.standard_normal((64, 4, 64)), "float16"), to_device(rng.standard_normal((4, 64)), "float32")]
+        states = [
+            to_device(rng.standard_normal((64, 4, 64)), "float16"),
+            to_device(rng.standard_normal((4, 64)), "float32"),
+        ]
+        states += [
+            to_device(rng.standard_normal((64, 4, 64)), "float16"),
+            to_device(rng.standard_normal((4, 64)), "float32"),
+        ]
     with cupy.cuda.Device(0):
         v, s = cm.merge_state(*states)
     assert v.device.id == 1
@@ -177,7 +185,9 @@ def _build_all(specs, rng):
     for name, spec in specs.items():
         if spec.overlaps:
             other = specs[spec.overlaps]
-            base = cupy.asarray(rng.standard_normal((other.shape[0] + 1,) + other.shape[1:])).astype(other.dtype)
+            base = cupy.asarray(rng.standard_normal((other.shape[0] + 1,) + other.shape[1:])).astype(
+                other.dtype
+            )
             arrays[spec.overlaps], arrays[name] = base[1:], base[:-1]
     return arrays
 
@@ -191,9 +201,18 @@ def test_every_bad_input_raises_before_writing_anything(rng, case, api):
     before = {name: to_host(arrays[name]).copy() for name in ("out", "out_lse")}
     with pytest.raises(case.error) as raised:
         if api == "merge_state":
-            cm.merge_state(arrays["v_a"], arrays["s_a"], arrays["v_b"], arrays["s_b"], out=arrays["out"], out_lse=arrays["out_lse"])
+            cm.merge_state(
+                arrays["v_a"],
+                arrays["s_a"],
+                arrays["v_b"],
+                arrays["s_b"],
+                out=arrays["out"],
+                out_lse=arrays["out_lse"],
+            )
         else:
-            cm.merge_attn_states(arrays["out"], arrays["v_a"], arrays["s_a"], arrays["v_b"], arrays["s_b"], arrays["out_lse"])
+            cm.merge_attn_states(
+                arrays["out"], arrays["v_a"], arrays["s_a"], arrays["v_b"], arrays["s_b"], arrays["out_lse"]
+            )
     name = case.argument if api == "merge_state" else VLLM_NAMES[case.argument]
     assert str(raised.value).startswith(f"{name}: "), str(raised.value)
     import cupy

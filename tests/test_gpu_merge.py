@@ -84,7 +84,10 @@ def test_strided_views_cut_from_larger_buffers(rng, dtype, head_offset):
     def view(buffer):
         return buffer[1 : 1 + tokens, 1 : 1 + heads, head_offset : head_offset + head_size]
 
-    big = [to_device(rng.standard_normal((tokens + 2, heads + 3, head_size + 5)), dtype, backend) for _ in range(3)]
+    big = [
+        to_device(rng.standard_normal((tokens + 2, heads + 3, head_size + 5)), dtype, backend)
+        for _ in range(3)
+    ]
     v_a, v_b, out = view(big[0]), view(big[1]), view(big[2])
     fill_nan(out)
     s_a = to_device(_lse(rng, heads * 2, tokens * 3), "float32", backend)[::2, ::3]
@@ -126,7 +129,10 @@ def test_every_inf_and_nan_pattern_follows_the_reference(rng, dtype):
     v_a = rng.standard_normal((tokens, heads, head_size))
     v_b = rng.standard_normal((tokens, heads, head_size))
     v_b[pattern_b.T == 1] = np.nan  # values of an empty state are garbage and must be ignored
-    dev = [to_device(x, d, backend) for x, d in ((v_a, dtype), (lse_a, "float32"), (v_b, dtype), (lse_b, "float32"))]
+    dev = [
+        to_device(x, d, backend)
+        for x, d in ((v_a, dtype), (lse_a, "float32"), (v_b, dtype), (lse_b, "float32"))
+    ]
     v, s = cm.merge_state(*dev)
     want_v, want_s = reference.merge_state(*(to_host(x) for x in dev))
     got_v, got_s = to_host(v), to_host(s)

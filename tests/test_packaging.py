@@ -22,7 +22,18 @@ def test_installed_package_loads_the_kernel_source_as_a_resource():
 @pytest.mark.skipif(not (ROOT / "pyproject.toml").exists(), reason="needs the source tree")
 def test_wheel_contains_the_cuda_source(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
         check=True,
     )
     (wheel,) = tmp_path.glob("cupy_merge-*.whl")

@@ -90,7 +90,15 @@ def test_zero_tokens_or_heads_is_a_no_op(tokens, heads):
 
 @pytest.mark.parametrize(
     "head_size, itemsize, misalign, expected",
-    [(128, 2, 0, 8), (128, 4, 0, 4), (100, 2, 0, 4), (7, 2, 0, 1), (72, 2, 0, 8), (64, 2, 4, 2), (6, 4, 0, 2)],
+    [
+        (128, 2, 0, 8),
+        (128, 4, 0, 4),
+        (100, 2, 0, 4),
+        (7, 2, 0, 1),
+        (72, 2, 0, 8),
+        (64, 2, 4, 2),
+        (6, 4, 0, 2),
+    ],
 )
 def test_vector_width_is_the_widest_that_divides_and_aligns(head_size, itemsize, misalign, expected):
     dtype = "float16" if itemsize == 2 else "float32"
@@ -105,10 +113,18 @@ def test_token_stride_that_breaks_alignment_narrows_the_vector():
 
 def test_kernel_arguments_use_64_bit_strides_for_huge_tensors():
     tokens, heads, head_size = 2**20, 64, 64  # 2^32 elements
-    values = ArrayView(1 << 40, (tokens, heads, head_size), (heads * head_size, head_size, 1), "bfloat16", 2, 0)
+    values = ArrayView(
+        1 << 40, (tokens, heads, head_size), (heads * head_size, head_size, 1), "bfloat16", 2, 0
+    )
     lse = ArrayView(1 << 41, (heads, tokens), (tokens, 1), "float32", 4, 0)
-    views = {"out": values._replace(ptr=1 << 42), "out_lse": lse._replace(ptr=1 << 43),
-             "v_a": values, "s_a": lse, "v_b": values._replace(ptr=1 << 44), "s_b": lse._replace(ptr=1 << 45)}
+    views = {
+        "out": values._replace(ptr=1 << 42),
+        "out_lse": lse._replace(ptr=1 << 43),
+        "v_a": values,
+        "s_a": lse,
+        "v_b": values._replace(ptr=1 << 44),
+        "s_b": lse._replace(ptr=1 << 45),
+    }
     plan = _plan_from_views(views)
     assert plan.grid[0] * plan.block[1] >= tokens
     assert math.prod(plan.grid) < 2**31
