@@ -3,13 +3,20 @@
 //   out = exp(lse_a - lse) * v_a + exp(lse_b - lse) * v_b
 //
 // Shapes (strides in elements, any sign; the last value dim is contiguous):
-//   out, v_a, v_b        [num_tokens, num_heads, head_size]   TValue
+//   out                  [num_tokens, num_heads, head_size]   TOut
+//   v_a, v_b             [num_tokens, num_heads, head_size]   TIn
 //   out_lse, lse_a/b     [num_heads, num_tokens]              float32
+//   mask (optional)      [num_tokens]                         bool (1 byte)
 //
-// Launch: block (threads_x, rows_per_block), grid (token blocks, head blocks).
-// A block owns rows_per_block consecutive tokens of one head at a time, so the
-// head-major LSE loads of a warp are contiguous; threads_x threads stride
-// over the row in packs of VEC elements.
+// Per token: mask false -> nothing is read or written; token >= merge_tokens ->
+// state b is copied unchanged (vLLM's prefill_tokens_with_context); else merged.
+//
+// Launch: block (threads_x, rows_y), a 1-D grid over work items (ROWS * rows_y
+// tokens of one head), looping when there are more items than blocks. A thread
+// owns ROWS tokens, rows_y apart, of one head at a time (the head-major LSE loads
+// of a warp stay contiguous), and strides over each row in packs of VEC elements.
+// All ROWS rows' first packs and LSEs are loaded before any weight is computed,
+// so each thread keeps 2 * ROWS value packs in flight.
 #include "numerics.cuh"
 
 namespace cupy_merge {
@@ -17,24 +24,20 @@ namespace cupy_merge {
 struct StateWeights {
   float weight_a;
   float weight_b;
-  float lse;
+  float lse;  // natural log
 };
 
-// +inf marks an empty row in FlashAttention-2 and is treated as -inf. Two empty
-// states give weights 0 and lse -inf, never NaN; a NaN lse poisons its own row.
+// Two empty states give weights 0 and lse -inf, never NaN; a NaN lse poisons its row.
 __device__ __forceinline__ StateWeights weigh_two_states(float lse_a, float lse_b) {
-  const float inf = positive_infinity();
-  lse_a = lse_a == inf ? -inf : lse_a;
-  lse_b = lse_b == inf ? -inf : lse_b;
   StateWeights w;
   if (is_nan(lse_a) || is_nan(lse_b)) {
     w.weight_a = w.weight_b = w.lse = quiet_nan();
     return w;
   }
   const float lse_max = fmaxf(lse_a, lse_b);
-  if (lse_max == -inf) {
+  if (lse_max == negative_infinity()) {
     w.weight_a = w.weight_b = 0.0f;
-    w.lse = -inf;
+    w.lse = negative_infinity();
     return w;
   }
   const float exp_a = expf(lse_a - lse_max);
@@ -49,69 +52,102 @@ __device__ __forceinline__ StateWeights weigh_two_states(float lse_a, float lse_
 
 // A state of weight zero contributes nothing, even if its values are NaN or
 // uninitialised (an empty split): its products are replaced, not added.
-template <typename TValue, int VEC>
-__device__ __forceinline__ Pack<TValue, VEC> merge_pack(const StateWeights& w,
-                                                        const Pack<TValue, VEC>& a,
-                                                        const Pack<TValue, VEC>& b) {
-  Pack<TValue, VEC> out;
+template <typename TOut, typename TIn, int VEC>
+__device__ __forceinline__ Pack<TOut, VEC> merge_pack(const StateWeights& w,
+                                                      const Pack<TIn, VEC>& a,
+                                                      const Pack<TIn, VEC>& b) {
+  Pack<TOut, VEC> out;
 #pragma unroll
   for (int i = 0; i < VEC; ++i) {
     const float part_a = w.weight_a == 0.0f ? 0.0f : w.weight_a * to_float(a.v[i]);
     const float merged = w.weight_b == 0.0f ? part_a : fmaf(w.weight_b, to_float(b.v[i]), part_a);
-    out.v[i] = from_float<TValue>(merged);
+    out.v[i] = from_float<TOut>(merged);
   }
   return out;
 }
 
-template <typename TValue, int VEC>
+template <typename TIn, typename TOut, int VEC, int ROWS>
 __global__ void merge_two_states(
-    TValue* out, float* out_lse,
-    const TValue* v_a, const float* lse_a,
-    const TValue* v_b, const float* lse_b,
-    long long num_tokens, long long num_heads, long long head_size,
+    TOut* out, float* out_lse,
+    const TIn* v_a, const float* lse_a,
+    const TIn* v_b, const float* lse_b,
+    const unsigned char* mask,
+    long long num_tokens, long long num_heads, long long head_size, long long merge_tokens,
     long long out_stride_token, long long out_stride_head,
     long long a_stride_token, long long a_stride_head,
     long long b_stride_token, long long b_stride_head,
     long long out_lse_stride_head, long long out_lse_stride_token,
     long long lse_a_stride_head, long long lse_a_stride_token,
-    long long lse_b_stride_head, long long lse_b_stride_token) {
-  using VecPack = Pack<TValue, VEC>;
-  const long long token = static_cast<long long>(blockIdx.x) * blockDim.y + threadIdx.y;
-  const bool token_valid = token < num_tokens;
+    long long lse_b_stride_head, long long lse_b_stride_token,
+    long long mask_stride, long long lse_base_2, long long out_lse_is_input) {
+  using InPack = Pack<TIn, VEC>;
+  using OutPack = Pack<TOut, VEC>;
   const long long num_packs = head_size / VEC;
   const long long first_pack = threadIdx.x;
+  const float to_natural = lse_to_natural(lse_base_2);
+  const float from_natural = lse_from_natural(lse_base_2);
+  const long long tokens_per_block = static_cast<long long>(blockDim.y) * ROWS;
+  const long long token_blocks = (num_tokens + tokens_per_block - 1) / tokens_per_block;
 
-  // gridDim.y is capped at 65535, so a block may visit several heads.
-  for (long long head = blockIdx.y; head < num_heads; head += gridDim.y) {
-    const VecPack* row_a = reinterpret_cast<const VecPack*>(v_a + token * a_stride_token + head * a_stride_head);
-    const VecPack* row_b = reinterpret_cast<const VecPack*>(v_b + token * b_stride_token + head * b_stride_head);
-    VecPack* row_out = reinterpret_cast<VecPack*>(out + token * out_stride_token + head * out_stride_head);
-    // The first packs are loaded before the weights are known, so the value and
-    // LSE loads travel to memory together instead of one round trip after the other.
-    float s_a = 0.0f, s_b = 0.0f;
-    VecPack a, b;
-    const bool has_first = token_valid && first_pack < num_packs;
-    if (token_valid) {
-      s_a = lse_a[head * lse_a_stride_head + token * lse_a_stride_token];
-      s_b = lse_b[head * lse_b_stride_head + token * lse_b_stride_token];
-    }
-    if (has_first) {
-      a = row_a[first_pack];
-      b = row_b[first_pack];
-    }
-    const StateWeights w = weigh_two_states(s_a, s_b);
-    if (out_lse != nullptr) {
-      // out_lse may be lse_a or lse_b itself: every thread of the row must
-      // have read the old value before one thread overwrites it.
-      __syncthreads();
-      if (token_valid && threadIdx.x == 0) {
-        out_lse[head * out_lse_stride_head + token * out_lse_stride_token] = w.lse;
+  // Blocks are numbered head-fastest: blocks running together cover neighbouring
+  // heads of the same tokens, i.e. contiguous memory (see docs/PERF.md).
+  for (long long work = blockIdx.x; work < token_blocks * num_heads; work += gridDim.x) {
+    const long long head = block_head(work, num_heads);
+    const long long token_block = block_token_block(work, num_heads);
+    long long token[ROWS];
+    bool active[ROWS];
+    float s_a[ROWS], s_b[ROWS];
+    InPack a[ROWS], b[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      token[r] = token_block * tokens_per_block + r * blockDim.y + threadIdx.y;
+      active[r] = token[r] < num_tokens && (mask == nullptr || mask[token[r] * mask_stride] != 0);
+      s_a[r] = s_b[r] = 0.0f;
+      // The first packs are loaded before the weights are known, so the value and
+      // LSE loads travel to memory together instead of one round trip after the other.
+      if (active[r]) {
+        s_a[r] = lse_a[head * lse_a_stride_head + token[r] * lse_a_stride_token];
+        s_b[r] = lse_b[head * lse_b_stride_head + token[r] * lse_b_stride_token];
+        if (first_pack < num_packs) {
+          a[r] = load_pack(reinterpret_cast<const InPack*>(v_a + token[r] * a_stride_token + head * a_stride_head) + first_pack);
+          b[r] = load_pack(reinterpret_cast<const InPack*>(v_b + token[r] * b_stride_token + head * b_stride_head) + first_pack);
+        }
       }
     }
-    if (!has_first) continue;
-    row_out[first_pack] = merge_pack(w, a, b);
-    for (long long p = first_pack + blockDim.x; p < num_packs; p += blockDim.x) {
-      row_out[p] = merge_pack(w, row_a[p], row_b[p]);
+    StateWeights w[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      if (token[r] >= merge_tokens) {
+        w[r].weight_a = 0.0f;  // copy state b as it is, LSE bits included
+        w[r].weight_b = 1.0f;
+        w[r].lse = s_b[r];
+      } else {
+        w[r] = weigh_two_states(empty_if_inf(s_a[r]) * to_natural, empty_if_inf(s_b[r]) * to_natural);
+        w[r].lse *= from_natural;
+      }
+    }
+    if (out_lse != nullptr) {
+      // out_lse may be lse_a or lse_b itself: every thread of the row must have
+      // read the old value before one thread overwrites it. The flag is uniform.
+      if (out_lse_is_input) __syncthreads();
+      if (threadIdx.x == 0) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          if (active[r]) out_lse[head * out_lse_stride_head + token[r] * out_lse_stride_token] = w[r].lse;
+        }
+      }
+    }
+    if (first_pack >= num_packs) continue;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      if (!active[r]) continue;
+      const InPack* row_a = reinterpret_cast<const InPack*>(v_a + token[r] * a_stride_token + head * a_stride_head);
+      const InPack* row_b = reinterpret_cast<const InPack*>(v_b + token[r] * b_stride_token + head * b_stride_head);
+      OutPack* row_out = reinterpret_cast<OutPack*>(out + token[r] * out_stride_token + head * out_stride_head);
+      store_pack(row_out + first_pack, merge_pack<TOut>(w[r], a[r], b[r]));
+      for (long long p = first_pack + blockDim.x; p < num_packs; p += blockDim.x) {
+        store_pack(row_out + p, merge_pack<TOut>(w[r], load_pack(row_a + p), load_pack(row_b + p)));
+      }
     }
   }
 }

@@ -53,15 +53,69 @@ __device__ __forceinline__ bfloat16_t from_float<bfloat16_t>(float x) {
   return b;
 }
 
-// N consecutive elements moved as one aligned load or store (up to 16 bytes).
+// N consecutive elements moved as one aligned access of up to 16 bytes; wider
+// packs (8 floats) are aligned to 16 and move as two 16-byte accesses.
 template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
+struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {
   T v[N];
 };
+
+// Every value is read once and written once: 16-byte packs move with the
+// cache-streaming hint (.cs), measured 2-15 points of copy speed faster on the
+// H200 (docs/PERF.md). -DCUPY_MERGE_STREAMING=0 turns it off.
+#ifndef CUPY_MERGE_STREAMING
+#define CUPY_MERGE_STREAMING 1
+#endif
+
+struct alignas(16) Bytes16 { unsigned x, y, z, w; };
+
+template <typename P>
+__device__ __forceinline__ P load_pack(const P* address) {
+#if CUPY_MERGE_STREAMING
+  if constexpr (sizeof(P) == 16) {
+    Bytes16 b;
+    asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(b.x), "=r"(b.y), "=r"(b.z), "=r"(b.w) : "l"(address));
+    return *reinterpret_cast<P*>(&b);
+  }
+#endif
+  return *address;
+}
+
+template <typename P>
+__device__ __forceinline__ void store_pack(P* address, const P& value) {
+#if CUPY_MERGE_STREAMING
+  if constexpr (sizeof(P) == 16) {
+    const Bytes16 b = *reinterpret_cast<const Bytes16*>(&value);
+    asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(address), "r"(b.x), "r"(b.y), "r"(b.z), "r"(b.w) : "memory");
+    return;
+  }
+#endif
+  *address = value;
+}
 
 __device__ __forceinline__ float positive_infinity() { return __int_as_float(0x7f800000); }
 __device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
 __device__ __forceinline__ bool is_nan(float x) { return x != x; }
+
+// +inf marks an empty row in FlashAttention-2; it is read as -inf.
+__device__ __forceinline__ float empty_if_inf(float lse) {
+  return lse == positive_infinity() ? negative_infinity() : lse;
+}
+
+// Work items (a block's tokens of one head) are numbered head-fastest, so that
+// blocks running at the same time read neighbouring heads of the same tokens:
+// contiguous memory (1-2 points of copy speed over token-fastest, docs/PERF.md).
+__device__ __forceinline__ long long block_head(long long work, long long num_heads) { return work % num_heads; }
+__device__ __forceinline__ long long block_token_block(long long work, long long num_heads) { return work / num_heads; }
+
+// LSEs may be natural-log (vLLM) or base-2 (FlashInfer); the kernels work in
+// natural log and convert at the edges (multiplying by 1 is exact).
+constexpr float kLn2 = 0.693147180559945309f;
+constexpr float kLog2E = 1.442695040888963407f;
+__device__ __forceinline__ float lse_to_natural(int lse_base_2) { return lse_base_2 ? kLn2 : 1.0f; }
+__device__ __forceinline__ float lse_from_natural(int lse_base_2) { return lse_base_2 ? kLog2E : 1.0f; }
 
 }  // namespace cupy_merge

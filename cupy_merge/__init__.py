@@ -3,12 +3,23 @@
 >>> import cupy_merge as cm
 >>> v, s = cm.merge_state(v_a, s_a, v_b, s_b)          # doctest: +SKIP
 >>> cm.merge_attn_states(out, v_a, s_a, v_b, s_b, out_lse)  # doctest: +SKIP
+>>> v, s = cm.merge_states(v_splits, s_splits)               # doctest: +SKIP
 """
 
 from . import reference
 from ._kernels import KernelCompileError
-from .merge import merge_attn_states, merge_state
+from .merge import merge_attn_states, merge_state, merge_state_in_place
+from .merge_many import merge_states, merge_states_varlen
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-__all__ = ["KernelCompileError", "__version__", "merge_attn_states", "merge_state", "reference"]
+__all__ = [
+    "KernelCompileError",
+    "__version__",
+    "merge_attn_states",
+    "merge_state",
+    "merge_state_in_place",
+    "merge_states",
+    "merge_states_varlen",
+    "reference",
+]

@@ -12,7 +12,7 @@ import time
 import cupy
 import numpy
 
-from . import _kernels, merge_state, reference
+from . import _kernels, _plan, merge_state, merge_states, reference
 from ._timing import median_ms
 
 # (tokens, heads, head_size, dtype): decode, chunked prefill, long prefill.
@@ -22,6 +22,11 @@ SELF_CHECK_CASES = [
     (4096, 32, 128, "bfloat16"),
     (8192, 32, 128, "float32"),
 ]
+MANY_STATES_CASES = [(16, 64, 32, 128, "bfloat16"), (4, 4096, 32, 128, "float16")]
+
+
+#: The modules a caller without dtype conversion uses; the others compile on first use.
+SAME_DTYPE_MODULES = [module for module in _plan.all_modules() if module[1] == module[2]]
 
 
 def _describe_environment() -> str:
@@ -68,6 +73,33 @@ def _check_case(tokens, heads, head_size, dtype, rng) -> str:
     )
 
 
+def _check_many(states, tokens, heads, head_size, dtype, rng) -> str:
+    cupy_dtype = _cupy_dtype(dtype)
+    label = f"{states:>3} states x {tokens:>5} x {heads:>3} x {head_size:>4} {dtype:<9}"
+    if cupy_dtype is None:
+        return f"{label} skipped: this CuPy has no {dtype} (pip install ml_dtypes)"
+    host_v = rng.standard_normal((states, tokens, heads, head_size), dtype=numpy.float32)
+    host_s = rng.standard_normal((states, heads, tokens), dtype=numpy.float32) * 4
+    v, s = cupy.asarray(host_v).astype(cupy_dtype), cupy.asarray(host_s)
+    out, out_lse = (
+        cupy.full(v.shape[1:], numpy.nan, dtype=cupy_dtype),
+        cupy.full(s.shape[1:], numpy.nan, numpy.float32),
+    )
+    merge_states(v, s, out=out, out_lse=out_lse)
+    ref_v, ref_s = reference.merge_states(v.astype(cupy.float32).get(), host_s)
+    got = out.astype(cupy.float32).get()
+    error = numpy.linalg.norm(got - ref_v) / numpy.linalg.norm(ref_v)
+    lse_error = numpy.max(numpy.abs(out_lse.get() - ref_s))
+    ok = (
+        bool(numpy.isfinite(got).all())
+        and error <= (1e-5 if dtype == "float32" else 1e-2)
+        and lse_error <= 1e-4
+    )
+    ms = median_ms(lambda: merge_states(v, s, out=out, out_lse=out_lse))
+    moved = v.nbytes + s.nbytes + out.nbytes + out_lse.nbytes
+    return f"{label} rel.err {error:.1e}  {ms * 1e3:8.1f} us  {moved / ms / 1e6:7.0f} GB/s  {'ok' if ok else 'FAILED'}"
+
+
 def _cupy_dtype(name: str):
     """The CuPy dtype for ``name``, or ``None`` where this CuPy cannot hold it (bfloat16 needs ml_dtypes)."""
     try:
@@ -87,17 +119,18 @@ def main() -> int:
     print(_describe_environment())
     if not cupy.cuda.is_available():
         started = time.perf_counter()
-        count = len(_kernels.compile_offline("90"))
+        count = len(_kernels.compile_offline("90", SAME_DTYPE_MODULES))
         print(
             f"compiled {count} kernel instantiations for sm_90 with NVRTC in {time.perf_counter() - started:.2f} s"
         )
         print("no GPU here: nothing to run; the kernels compile")
         return 0
     started = time.perf_counter()
-    count = _kernels.compile_all(cupy.cuda.runtime.getDevice())
+    count = _kernels.compile_modules(cupy.cuda.runtime.getDevice(), SAME_DTYPE_MODULES)
     print(f"compiled {count} kernel instantiations in {time.perf_counter() - started:.2f} s")
     rng = numpy.random.default_rng()
     results = [_check_case(*case, rng) for case in SELF_CHECK_CASES]
+    results += [_check_many(*case, rng) for case in MANY_STATES_CASES]
     print("\n".join(results))
     return 1 if any(line.endswith("FAILED") for line in results) else 0
 

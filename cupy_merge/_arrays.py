@@ -153,15 +153,31 @@ def _torch_current_stream(device: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def empty_values_like(original: Any, kind: str, view: ArrayView) -> tuple[Any, ArrayView]:
-    """A new C-contiguous value array shaped and typed like ``view``, in the caller's kind."""
+def empty_values(
+    like: Any, kind: str, shape: tuple[int, ...], dtype: str, device: int
+) -> tuple[Any, ArrayView]:
+    """A new C-contiguous value array of dtype name ``dtype`` on ``device``, in the caller's kind."""
     if kind == "torch":
         torch = _torch()
-        out = torch.empty(view.shape, dtype=original.dtype, device=original.device)
+        out = torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
         return out, _describe_torch(out, "out")
-    with cupy.cuda.Device(view.device):
-        out = cupy.empty(view.shape, dtype=view.dtype)
+    with cupy.cuda.Device(device):
+        out = cupy.empty(shape, dtype=cupy_dtype(dtype))
     return out, _describe_cupy(out)
+
+
+def cupy_dtype(name: str) -> Any:
+    """The NumPy dtype CuPy uses for ``name``; bfloat16 comes from the ``ml_dtypes`` package."""
+    if name != "bfloat16":
+        return numpy.dtype(name)
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError(
+            "out_dtype: a bfloat16 CuPy array needs the ml_dtypes package (pip install ml_dtypes); "
+            "or pass out= yourself, or use torch tensors"
+        ) from None
+    return numpy.dtype(ml_dtypes.bfloat16)
 
 
 def empty_lse(original: Any, kind: str, shape: tuple[int, int], device: int) -> tuple[Any, ArrayView]:
@@ -173,6 +189,15 @@ def empty_lse(original: Any, kind: str, shape: tuple[int, int], device: int) -> 
     with cupy.cuda.Device(device):
         out = cupy.empty(shape, dtype=numpy.float32)
     return out, _describe_cupy(out)
+
+
+def to_numpy(array: Any) -> numpy.ndarray:
+    """A host copy of a device array (synchronises with the stream that produced it)."""
+    if hasattr(array, "detach"):
+        return array.detach().cpu().numpy()
+    if not isinstance(array, cupy.ndarray):
+        array = cupy.asarray(array) if hasattr(array, "__cuda_array_interface__") else from_dlpack(array)
+    return cupy.asnumpy(array)
 
 
 def to_caller_kind(array: Any, kind: str) -> Any:

@@ -14,14 +14,12 @@ import functools
 import importlib.resources
 import re
 import threading
+from typing import NamedTuple
 
 import cupy
 import numpy
 
-from ._plan import LaunchPlan, two_state_kernel_names
-
-#: Source file -> every kernel instantiation it is compiled for.
-KERNEL_SOURCES = {"merge_two_states.cu": two_state_kernel_names}
+from ._plan import LaunchPlan, all_modules, module_kernel_names
 
 COMPILE_OPTIONS = ("-std=c++17",)
 
@@ -51,91 +49,117 @@ def kernel_source(name: str) -> str:
 
 
 @functools.cache
-def _module(source_name: str, device: int) -> cupy.RawModule:
+def _module(module: tuple[str, str, str], device: int) -> cupy.RawModule:
+    """One module per (source, input dtype, output dtype) and device: compiled on first use only."""
     return cupy.RawModule(
-        code=kernel_source(source_name),
+        code=kernel_source(module[0]),
         options=COMPILE_OPTIONS,
-        name_expressions=KERNEL_SOURCES[source_name](),
+        name_expressions=module_kernel_names(*module),
         backend="nvrtc",
     )
 
 
-_SOURCE_OF_KERNEL = {kernel: source for source, kernels in KERNEL_SOURCES.items() for kernel in kernels()}
 _functions: dict[tuple[str, int], object] = {}
 _functions_lock = threading.Lock()
 
 
-def get_function(kernel: str, device: int):
-    """The compiled kernel for ``device``; compiles the module on first use there."""
+def get_function(module: tuple[str, str, str], kernel: str, device: int):
+    """The compiled kernel for ``device``; compiles its module on first use there."""
     key = (kernel, device)
     function = _functions.get(key)
     if function is None:
         with _functions_lock, cupy.cuda.Device(device):
             function = _functions.get(key)
             if function is None:
-                source_name = _SOURCE_OF_KERNEL[kernel]
                 try:
                     # RawKernel.kernel is the cupy.cuda.Function loaded on the current device.
-                    function = _module(source_name, device).get_function(kernel).kernel
+                    function = _module(module, device).get_function(kernel).kernel
                 except cupy.cuda.compiler.CompileException as error:
-                    raise KernelCompileError(source_name, str(error)) from error
+                    raise KernelCompileError(module[0], str(error)) from error
                 _functions[key] = function
     return function
 
 
-def compile_all(device: int) -> int:
-    """Compile every kernel for ``device`` now; returns how many instantiations there are."""
-    for kernel in _SOURCE_OF_KERNEL:
-        get_function(kernel, device)
-    return len(_SOURCE_OF_KERNEL)
+def compile_modules(device: int, modules: list[tuple[str, str, str]] | None = None) -> int:
+    """Compile ``modules`` (default: all) for ``device`` now; returns how many kernels they hold."""
+    count = 0
+    for module in modules if modules is not None else all_modules():
+        for kernel in module_kernel_names(*module):
+            get_function(module, kernel, device)
+            count += 1
+    return count
 
 
-class _ArgumentBuffer(threading.local):
-    """Per-thread storage for kernel arguments and the pointer array cuLaunchKernel reads."""
+class PreparedLaunch(NamedTuple):
+    """A plan bound to a device: function pointer and its packed argument block."""
 
-    def __init__(self, capacity: int = 64):
-        self.values = numpy.zeros(capacity, dtype=numpy.int64)
-        base = self.values.__array_interface__["data"][0]
-        self.pointers = base + 8 * numpy.arange(capacity, dtype=numpy.uint64)
-        self.pointers_address = self.pointers.__array_interface__["data"][0]
+    function: int
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    params: int  # address of the void*[] cuLaunchKernel reads
+    shared_bytes: int
+    device: int
+    buffers: tuple  # keeps the argument memory alive
 
 
-_arguments = _ArgumentBuffer()
+_prepared: dict[tuple[LaunchPlan, int], PreparedLaunch] = {}
+
+
+def prepare(plan: LaunchPlan, device: int) -> PreparedLaunch:
+    """Pack ``plan``'s arguments once; every kernel parameter is a pointer or a 64-bit integer."""
+    key = (plan, device)
+    prepared = _prepared.get(key)
+    if prepared is None:
+        function = get_function(plan.module, plan.kernel, device)
+        values = numpy.array(plan.args, dtype=numpy.int64)
+        pointers = values.__array_interface__["data"][0] + 8 * numpy.arange(len(values), dtype=numpy.uint64)
+        prepared = PreparedLaunch(
+            function.ptr,
+            plan.grid,
+            plan.block,
+            pointers.__array_interface__["data"][0],
+            plan.shared_bytes,
+            device,
+            (values, pointers, function),
+        )
+        if len(_prepared) > 8192:
+            _prepared.clear()
+        _prepared[key] = prepared
+    return prepared
+
+
+def launch_prepared(prepared: PreparedLaunch, stream: int) -> None:
+    """cuLaunchKernel copies the arguments before returning; nothing here is mutated."""
+    grid, block, shared = prepared.grid, prepared.block, prepared.shared_bytes
+    if cupy.cuda.runtime.getDevice() == prepared.device:
+        _driver_launch(prepared.function, *grid, *block, shared, stream, prepared.params, 0)
+    else:
+        with cupy.cuda.Device(prepared.device):
+            _driver_launch(prepared.function, *grid, *block, shared, stream, prepared.params, 0)
+
+
+_driver_launch = cupy.cuda.driver.launchKernel
 
 
 def launch(plan: LaunchPlan, device: int, stream: int) -> None:
     """Launch ``plan`` on ``stream`` of ``device``."""
-    function = get_function(plan.kernel, device)
-    buffer = _arguments
-    buffer.values[: len(plan.args)] = plan.args
-    # cuLaunchKernel copies the arguments before returning, so the buffer can be reused at once.
-    grid, block = plan.grid, plan.block
-    if cupy.cuda.runtime.getDevice() == device:
-        _launch(function.ptr, grid, block, stream, buffer.pointers_address)
-    else:
-        with cupy.cuda.Device(device):
-            _launch(function.ptr, grid, block, stream, buffer.pointers_address)
+    launch_prepared(prepare(plan, device), stream)
 
 
-def _launch(function_ptr: int, grid, block, stream: int, params: int) -> None:
-    cupy.cuda.driver.launchKernel(
-        function_ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2], 0, stream, params, 0
-    )
+def compile_offline(arch: str, modules: list[tuple[str, str, str]] | None = None) -> dict[str, str]:
+    """Compile ``modules`` (default: all) for ``sm_<arch>`` with NVRTC alone; no GPU is needed.
 
-
-def compile_offline(arch: str) -> dict[str, str]:
-    """Compile every kernel for ``sm_<arch>`` with NVRTC alone; no GPU is needed.
-
-    Uses the same source and options as the run-time path. Returns each name
-    expression's mangled name; raises :class:`KernelCompileError` with NVRTC's log.
+    Uses the same source, grouping and options as the run-time path. Returns each
+    name expression's mangled name; raises :class:`KernelCompileError` with NVRTC's log.
     """
     from cupy.cuda import nvrtc
 
     lowered = {}
-    for source_name, kernels in KERNEL_SOURCES.items():
+    for module in modules if modules is not None else all_modules():
+        source_name, kernels = module[0], module_kernel_names(*module)
         program = nvrtc.createProgram(kernel_source(source_name), source_name, [], [])
         try:
-            for kernel in kernels():
+            for kernel in kernels:
                 nvrtc.addNameExpression(program, kernel)
             try:
                 nvrtc.compileProgram(program, [*COMPILE_OPTIONS, f"--gpu-architecture=sm_{arch}"])
@@ -143,7 +167,7 @@ def compile_offline(arch: str) -> dict[str, str]:
                 raise KernelCompileError(source_name, nvrtc.getProgramLog(program)) from error
             if not nvrtc.getCUBIN(program):
                 raise KernelCompileError(source_name, "NVRTC produced an empty binary")
-            for kernel in kernels():
+            for kernel in kernels:
                 lowered[kernel] = nvrtc.getLoweredName(program, kernel)
         finally:
             nvrtc.destroyProgram(program)

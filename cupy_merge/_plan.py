@@ -1,8 +1,7 @@
-"""Validation and launch configuration: pure functions of :class:`ArrayView`.
+"""Launch configuration, and the two-way merge's checks and plan: pure functions of :class:`ArrayView`.
 
 Nothing here touches a GPU, so every rule (shapes, dtypes, strides, devices,
-aliasing) and every launch choice is testable on a machine without one. Each
-error names the argument it is about and says what was expected.
+aliasing) and every launch choice is testable on a machine without one.
 """
 
 from __future__ import annotations
@@ -10,23 +9,25 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+from . import _checks as check
 from ._arrays import ArrayView
+from ._checks import VALUE_CTYPES
 
-#: Value dtype name -> C++ type the kernels are instantiated with.
-VALUE_CTYPES = {
-    "float32": "float",
-    "float16": "cupy_merge::half_t",
-    "bfloat16": "cupy_merge::bfloat16_t",
-}
-
-#: Elements per vector pack the kernels are instantiated for, by element size:
-#: 16-byte packs where shapes and alignment allow, narrower ones otherwise.
+#: Elements per vector pack the kernels are instantiated for, by the smaller element
+#: size of input and output: 16-byte packs where shapes and alignment allow.
 VECTOR_WIDTHS = {4: (4, 2, 1), 2: (8, 4, 2, 1)}
 
-#: Measured on the H200 (docs/PERF.md): 64-thread blocks reach 86-88 % of copy speed where
-#: 256 reach 81-82 % and 1024 about 61 %.
+#: Measured on the H200 (docs/PERF.md): 64-thread blocks beat 128-1024 thread ones.
 THREADS_PER_BLOCK = 64
-MAX_GRID_Y = 65535
+#: Tokens each thread of the two-way kernel owns (its template parameter ROWS):
+#: 2 measured 8-12 points of copy speed above 1 and 4 (docs/PERF.md).
+ROWS_PER_THREAD = 2
+ROWS_INSTANTIATED = (1, 2, 4)
+#: Work items beyond this many blocks are looped over inside the kernel.
+MAX_GRID_X = 2**31 - 1
+
+TWO_STATES_SOURCE = "merge_two_states.cu"
+MANY_STATES_SOURCE = "merge_many_states.cu"
 
 
 class StateShape(NamedTuple):
@@ -38,10 +39,14 @@ class StateShape(NamedTuple):
 
 
 class LaunchPlan(NamedTuple):
+    """One kernel launch; ``module`` is (source file, input dtype, output dtype)."""
+
+    module: tuple[str, str, str]
     kernel: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     args: tuple[int, ...]
+    shared_bytes: int = 0
 
 
 class TwoStateNames(NamedTuple):
@@ -53,42 +58,73 @@ class TwoStateNames(NamedTuple):
     s_a: str
     v_b: str
     s_b: str
+    mask: str = "mask"
 
 
-def two_state_kernel_names() -> list[str]:
-    """Every instantiation of the two-way merge kernel, as NVRTC name expressions."""
+class TwoStateOptions(NamedTuple):
+    """Per-call conventions: LSE base flag (0 = e, 1 = 2) and the first token copied from b."""
+
+    lse_base_2: int = 0
+    merge_tokens: int | None = None
+
+
+DEFAULT_OPTIONS = TwoStateOptions()
+
+
+def vector_widths(in_dtype: str, out_dtype: str) -> tuple[int, ...]:
+    return VECTOR_WIDTHS[4 if in_dtype == out_dtype == "float32" else 2]
+
+
+def module_kernel_names(source: str, in_dtype: str, out_dtype: str) -> list[str]:
+    """Every kernel instantiation compiled together in one module."""
+    widths = vector_widths(in_dtype, out_dtype)
+    if source == TWO_STATES_SOURCE:
+        return [
+            two_state_kernel_name(in_dtype, out_dtype, vec, rows)
+            for vec in widths
+            for rows in ROWS_INSTANTIATED
+        ]
+    return [many_state_kernel_name(in_dtype, out_dtype, vec) for vec in widths]
+
+
+def all_modules() -> list[tuple[str, str, str]]:
     return [
-        two_state_kernel_name(dtype, vec)
-        for dtype, ctype in VALUE_CTYPES.items()
-        for vec in VECTOR_WIDTHS[4 if ctype == "float" else 2]
+        (source, a, b)
+        for source in (TWO_STATES_SOURCE, MANY_STATES_SOURCE)
+        for a in VALUE_CTYPES
+        for b in VALUE_CTYPES
     ]
 
 
-def two_state_kernel_name(dtype: str, vec: int) -> str:
-    return f"cupy_merge::merge_two_states<{VALUE_CTYPES[dtype]}, {vec}>"
+def two_state_kernel_name(in_dtype: str, out_dtype: str, vec: int, rows: int) -> str:
+    return f"cupy_merge::merge_two_states<{VALUE_CTYPES[in_dtype]}, {VALUE_CTYPES[out_dtype]}, {vec}, {rows}>"
+
+
+def many_state_kernel_name(in_dtype: str, out_dtype: str, vec: int) -> str:
+    return f"cupy_merge::merge_many_states<{VALUE_CTYPES[in_dtype]}, {VALUE_CTYPES[out_dtype]}, {vec}>"
 
 
 def check_two_states(
     v_a: ArrayView, s_a: ArrayView, v_b: ArrayView, s_b: ArrayView, names: TwoStateNames
 ) -> StateShape:
     """Check the two input states against each other and return their common shape."""
-    _expect_ndim(v_a, 3, names.v_a, "[num_tokens, num_heads, head_size]")
-    _expect_ndim(v_b, 3, names.v_b, "[num_tokens, num_heads, head_size]")
-    _expect_ndim(s_a, 2, names.s_a, "[num_heads, num_tokens]")
-    _expect_ndim(s_b, 2, names.s_b, "[num_heads, num_tokens]")
-    _expect_value_dtype(v_a, names.v_a)
-    _expect_same_dtype(v_b, v_a, names.v_b, names.v_a)
-    _expect_float32(s_a, names.s_a)
-    _expect_float32(s_b, names.s_b)
-    _expect_shape(v_b, v_a.shape, names.v_b, f"the shape of {names.v_a}")
+    check.expect_ndim(v_a, 3, names.v_a, "[num_tokens, num_heads, head_size]")
+    check.expect_ndim(v_b, 3, names.v_b, "[num_tokens, num_heads, head_size]")
+    check.expect_ndim(s_a, 2, names.s_a, "[num_heads, num_tokens]")
+    check.expect_ndim(s_b, 2, names.s_b, "[num_heads, num_tokens]")
+    check.expect_value_dtype(v_a, names.v_a)
+    check.expect_same_dtype(v_b, v_a, names.v_b, names.v_a)
+    check.expect_float32(s_a, names.s_a)
+    check.expect_float32(s_b, names.s_b)
+    check.expect_shape(v_b, v_a.shape, names.v_b, f"the shape of {names.v_a}")
     num_tokens, num_heads, head_size = v_a.shape
     lse_shape = (num_heads, num_tokens)
-    _expect_lse_shape(s_a, lse_shape, names.s_a, names.v_a)
-    _expect_lse_shape(s_b, lse_shape, names.s_b, names.v_a)
-    _expect_unit_last_stride(v_a, names.v_a)
-    _expect_unit_last_stride(v_b, names.v_b)
+    check.expect_lse_shape(s_a, lse_shape, names.s_a, names.v_a)
+    check.expect_lse_shape(s_b, lse_shape, names.s_b, names.v_a)
+    check.expect_unit_last_stride(v_a, names.v_a)
+    check.expect_unit_last_stride(v_b, names.v_b)
     for view, name in ((v_b, names.v_b), (s_a, names.s_a), (s_b, names.s_b)):
-        _expect_device(view, v_a.device, name, names.v_a)
+        check.expect_device(view, v_a.device, name, names.v_a)
     return StateShape(num_tokens, num_heads, head_size, v_a.dtype, v_a.device)
 
 
@@ -101,15 +137,15 @@ def plan_two_way(
     v_b: ArrayView,
     s_b: ArrayView,
     names: TwoStateNames,
+    mask: ArrayView | None = None,
+    options: TwoStateOptions = DEFAULT_OPTIONS,
 ) -> LaunchPlan | None:
     """Check everything and plan the launch, remembered per set of views.
 
-    Serving loops call the merge on the same buffers step after step; the plan
-    is a pure function of the views, so a repeat costs one dictionary lookup.
     Failures are never cached (``lru_cache`` does not store exceptions).
     """
     state = check_two_states(v_a, s_a, v_b, s_b, names)
-    return plan_merge_two(state, out, out_lse, v_a, s_a, v_b, s_b, names)
+    return plan_merge_two(state, out, out_lse, v_a, s_a, v_b, s_b, names, mask, options)
 
 
 def plan_merge_two(
@@ -121,56 +157,88 @@ def plan_merge_two(
     v_b: ArrayView,
     s_b: ArrayView,
     names: TwoStateNames,
+    mask: ArrayView | None = None,
+    options: TwoStateOptions = DEFAULT_OPTIONS,
 ) -> LaunchPlan | None:
     """Check the outputs and choose the launch; ``None`` when there is nothing to write."""
     num_tokens, num_heads, head_size = state.num_tokens, state.num_heads, state.head_size
-    _expect_ndim(out, 3, names.out, "[num_tokens, num_heads, head_size]")
-    _expect_same_dtype(out, v_a, names.out, names.v_a)
-    _expect_shape(out, v_a.shape, names.out, f"the shape of {names.v_a}")
-    _expect_unit_last_stride(out, names.out)
-    _expect_device(out, state.device, names.out, names.v_a)
-    outputs = [(out, names.out)]
-    if out_lse is not None:
-        _expect_ndim(out_lse, 2, names.out_lse, "[num_heads, num_tokens]")
-        _expect_float32(out_lse, names.out_lse)
-        _expect_lse_shape(out_lse, (num_heads, num_tokens), names.out_lse, names.v_a)
-        _expect_device(out_lse, state.device, names.out_lse, names.v_a)
-        outputs.append((out_lse, names.out_lse))
+    check_outputs(out, out_lse, state, names.out, names.out_lse, names.v_a)
     inputs = [(v_a, names.v_a), (s_a, names.s_a), (v_b, names.v_b), (s_b, names.s_b)]
-    _expect_no_partial_overlap(outputs, inputs)
+    if mask is not None:
+        check.expect_token_mask(mask, num_tokens, state.device, names.mask, names.v_a)
+        inputs.append((mask, names.mask))
+    outputs = [(out, names.out)] + ([] if out_lse is None else [(out_lse, names.out_lse)])
+    check.expect_no_partial_overlap(outputs, inputs)
 
     if num_tokens == 0 or num_heads == 0:
         return None
-    vec = choose_vector_width([out, v_a, v_b], head_size)
-    threads_x, rows_per_block = choose_block(head_size // vec, num_tokens)
-    grid = (-(-num_tokens // rows_per_block), min(num_heads, MAX_GRID_Y), 1)
-    lse_out = out_lse if out_lse is not None else ArrayView(0, (0, 0), (0, 0), "float32", 4, 0)
+    vec = choose_vector_width([out, v_a, v_b], head_size, vector_widths(state.dtype, out.dtype))
+    threads_x, rows_y = choose_block(head_size // vec, num_tokens)
+    rows = choose_rows_per_thread(num_tokens, rows_y)
+    grid = (min(-(-num_tokens // (rows_y * rows)) * num_heads, MAX_GRID_X), 1, 1)
+    lse_out = out_lse if out_lse is not None else _NO_ARRAY
+    mask_view = mask if mask is not None else _NO_ARRAY
+    merge_tokens = num_tokens if options.merge_tokens is None else min(options.merge_tokens, num_tokens)
+    lse_is_input = int(out_lse is not None and out_lse in (s_a, s_b))
     args = (
-        out.ptr, lse_out.ptr, v_a.ptr, s_a.ptr, v_b.ptr, s_b.ptr,
-        num_tokens, num_heads, head_size,
+        out.ptr, lse_out.ptr, v_a.ptr, s_a.ptr, v_b.ptr, s_b.ptr, mask_view.ptr,
+        num_tokens, num_heads, head_size, merge_tokens,
         *out.strides[:2], *v_a.strides[:2], *v_b.strides[:2],
         *lse_out.strides, *s_a.strides, *s_b.strides,
+        mask_view.strides[0], options.lse_base_2, lse_is_input,
     )  # fmt: skip
-    return LaunchPlan(two_state_kernel_name(state.dtype, vec), grid, (threads_x, rows_per_block, 1), args)
+    kernel = two_state_kernel_name(state.dtype, out.dtype, vec, rows)
+    return LaunchPlan((TWO_STATES_SOURCE, state.dtype, out.dtype), kernel, grid, (threads_x, rows_y, 1), args)
 
 
-def choose_vector_width(values: list[ArrayView], head_size: int) -> int:
+_NO_ARRAY = ArrayView(0, (0, 0), (0, 0), "float32", 4, 0)
+
+
+def check_outputs(
+    out: ArrayView,
+    out_lse: ArrayView | None,
+    state: StateShape,
+    out_name: str,
+    out_lse_name: str,
+    like_name: str,
+) -> None:
+    """``out`` [tokens, heads, head_size] of any value dtype; ``out_lse`` float32 [heads, tokens]."""
+    num_tokens, num_heads, head_size = state.num_tokens, state.num_heads, state.head_size
+    check.expect_ndim(out, 3, out_name, "[num_tokens, num_heads, head_size]")
+    check.expect_value_dtype(out, out_name)
+    check.expect_shape(
+        out,
+        (num_tokens, num_heads, head_size),
+        out_name,
+        f"[num_tokens, num_heads, head_size] of {like_name}",
+    )
+    check.expect_unit_last_stride(out, out_name)
+    check.expect_device(out, state.device, out_name, like_name)
+    if out_lse is not None:
+        check.expect_ndim(out_lse, 2, out_lse_name, "[num_heads, num_tokens]")
+        check.expect_float32(out_lse, out_lse_name)
+        check.expect_lse_shape(out_lse, (num_heads, num_tokens), out_lse_name, like_name)
+        check.expect_device(out_lse, state.device, out_lse_name, like_name)
+
+
+def choose_vector_width(
+    values: list[ArrayView], head_size: int, widths: tuple[int, ...] | None = None
+) -> int:
     """The widest pack (elements) that divides the row and keeps every access aligned."""
-    itemsize = values[0].itemsize
-    for vec in VECTOR_WIDTHS[itemsize]:
+    for vec in widths or VECTOR_WIDTHS[values[0].itemsize]:
         if head_size % vec:
             continue
-        pack_bytes = vec * itemsize
-        if all(_pack_aligned(view, vec, pack_bytes) for view in values):
+        if all(_pack_aligned(view, vec) for view in values):
             return vec
     return 1
 
 
-def _pack_aligned(view: ArrayView, vec: int, pack_bytes: int) -> bool:
+def _pack_aligned(view: ArrayView, vec: int) -> bool:
+    pack_bytes = min(vec * view.itemsize, 16)
     if view.ptr % pack_bytes:
         return False
     # Strides of dims of extent 1 are never used, so they need not be aligned.
-    return all(stride % vec == 0 for extent, stride in zip(view.shape[:2], view.strides[:2]) if extent > 1)
+    return all(stride % vec == 0 for extent, stride in zip(view.shape[:-1], view.strides[:-1]) if extent > 1)
 
 
 def choose_block(packs_per_row: int, num_tokens: int) -> tuple[int, int]:
@@ -180,90 +248,9 @@ def choose_block(packs_per_row: int, num_tokens: int) -> tuple[int, int]:
     return threads_x, rows_per_block
 
 
-def _expect_ndim(view: ArrayView, ndim: int, name: str, layout: str) -> None:
-    if len(view.shape) != ndim:
-        raise ValueError(f"{name}: expected a {ndim}-D array {layout}, got shape {view.shape}")
-
-
-def _expect_value_dtype(view: ArrayView, name: str) -> None:
-    if view.dtype not in VALUE_CTYPES:
-        raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16, got {view.dtype}")
-
-
-def _expect_same_dtype(view: ArrayView, like: ArrayView, name: str, like_name: str) -> None:
-    if view.dtype != like.dtype:
-        raise TypeError(f"{name}: expected dtype {like.dtype} (the dtype of {like_name}), got {view.dtype}")
-
-
-def _expect_float32(view: ArrayView, name: str) -> None:
-    if view.dtype != "float32":
-        raise TypeError(f"{name}: expected a float32 log-sum-exp, got dtype {view.dtype}")
-
-
-def _expect_shape(view: ArrayView, shape: tuple[int, ...], name: str, source: str) -> None:
-    if tuple(view.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)} ({source}), got {tuple(view.shape)}")
-
-
-def _expect_lse_shape(view: ArrayView, shape: tuple[int, int], name: str, values_name: str) -> None:
-    if tuple(view.shape) == tuple(shape):
-        return
-    hint = ""
-    if tuple(view.shape) == shape[::-1]:
-        hint = "; a token-major [num_tokens, num_heads] buffer is passed as its transpose (lse.T), no copy"
-    raise ValueError(
-        f"{name}: expected shape (num_heads, num_tokens) = {shape} from {values_name}, "
-        f"got {tuple(view.shape)}{hint}"
-    )
-
-
-def _expect_unit_last_stride(view: ArrayView, name: str) -> None:
-    # Empty arrays report arbitrary strides (CuPy: all zero); they are never read.
-    if view.shape[-1] > 1 and view.strides[-1] != 1 and 0 not in view.shape:
-        raise ValueError(
-            f"{name}: expected the last dimension (head_size) to be contiguous (stride 1), "
-            f"got strides {view.strides} in elements"
-        )
-
-
-def _expect_device(view: ArrayView, device: int, name: str, like_name: str) -> None:
-    if view.device != device:
-        raise ValueError(
-            f"{name}: expected an array on device {device} (where {like_name} is), got device {view.device}"
-        )
-
-
-def _byte_extent(view: ArrayView) -> tuple[int, int] | None:
-    """[first, last) byte touched by ``view``, or ``None`` for an empty array."""
-    if 0 in view.shape:
-        return None
-    low = high = 0
-    for extent, stride in zip(view.shape, view.strides):
-        reach = (extent - 1) * stride
-        if reach < 0:
-            low += reach
-        else:
-            high += reach
-    return view.ptr + low * view.itemsize, view.ptr + (high + 1) * view.itemsize
-
-
-def _expect_no_partial_overlap(
-    outputs: list[tuple[ArrayView, str]], inputs: list[tuple[ArrayView, str]]
-) -> None:
-    """An output may be exactly an input (in place) but must not partly overlap anything."""
-    for index, (out, out_name) in enumerate(outputs):
-        for other, other_name in inputs + outputs[index + 1 :]:
-            in_place = out == other and (other, other_name) in inputs
-            if not in_place and _overlaps(out, other):
-                raise ValueError(
-                    f"{out_name}: overlaps {other_name} in memory without being the very same "
-                    f"array; write in place only into an identical array (same pointer, shape "
-                    f"and strides), or into separate memory"
-                )
-
-
-def _overlaps(a: ArrayView, b: ArrayView) -> bool:
-    extent_a, extent_b = _byte_extent(a), _byte_extent(b)
-    if extent_a is None or extent_b is None:
-        return False
-    return extent_a[0] < extent_b[1] and extent_b[0] < extent_a[1]
+def choose_rows_per_thread(num_tokens: int, rows_y: int) -> int:
+    """ROWS_PER_THREAD, less when there are too few tokens to give every thread that many."""
+    rows = ROWS_PER_THREAD
+    while rows > 1 and rows_y * rows > num_tokens:
+        rows //= 2
+    return rows

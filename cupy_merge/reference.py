@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def merge_state(v_a, s_a, v_b, s_b) -> tuple[np.ndarray, np.ndarray]:
+def merge_state(v_a, s_a, v_b, s_b, lse_base="e") -> tuple[np.ndarray, np.ndarray]:
     """Merge two attention states in float64.
 
     Parameters
@@ -26,13 +26,53 @@ def merge_state(v_a, s_a, v_b, s_b) -> tuple[np.ndarray, np.ndarray]:
     v_a, v_b : array_like, ``[num_tokens, num_heads, head_size]``
         Attention outputs of the two pieces.
     s_a, s_b : array_like, ``[num_heads, num_tokens]``
-        Their natural-log log-sum-exp of the attention scores.
+        Their log-sum-exp of the attention scores, in base ``lse_base`` (``"e"`` or 2).
 
     Returns
     -------
     (v, s) : float64 arrays ``[num_tokens, num_heads, head_size]`` and ``[num_heads, num_tokens]``.
     """
-    return _merge(np.stack([_f64(v_a), _f64(v_b)]), np.stack([_f64(s_a), _f64(s_b)]))
+    return merge_states(np.stack([_f64(v_a), _f64(v_b)]), np.stack([_f64(s_a), _f64(s_b)]), lse_base)
+
+
+def merge_states(v, s, lse_base="e") -> tuple[np.ndarray, np.ndarray]:
+    """Merge any number of states in float64.
+
+    ``v`` ``[num_states, num_tokens, num_heads, head_size]``, ``s`` ``[num_states, num_heads, num_tokens]``;
+    returns ``[num_tokens, num_heads, head_size]`` and ``[num_heads, num_tokens]``. No states at
+    all, or only empty ones, give 0 and -inf.
+    """
+    v, s = _f64(v), _f64(s)
+    log_base = _log_base(lse_base)
+    if s.shape[0] == 0:
+        return np.zeros(v.shape[1:]), np.full(s.shape[1:], -np.inf)
+    out, lse = _merge(v, s * log_base)
+    return out, lse / log_base
+
+
+def merge_states_varlen(v, s, indptr, lse_base="e") -> tuple[np.ndarray, np.ndarray]:
+    """Ragged merge in float64: token ``t`` merges rows ``indptr[t]:indptr[t + 1]``.
+
+    ``v`` ``[total_states, num_heads, head_size]``, ``s`` ``[num_heads, total_states]``,
+    ``indptr`` ``[num_tokens + 1]``.
+    """
+    v, s, indptr = _f64(v), _f64(s), np.asarray(indptr)
+    num_tokens = len(indptr) - 1
+    out = np.zeros((num_tokens, *v.shape[1:]))
+    lse = np.full((v.shape[1], num_tokens), -np.inf)
+    for token in range(num_tokens):
+        rows = slice(indptr[token], indptr[token + 1])
+        merged, merged_lse = merge_states(v[rows, None], s[:, rows].T[:, :, None], lse_base)
+        out[token], lse[:, token] = merged[0], merged_lse[:, 0]
+    return out, lse
+
+
+def _log_base(lse_base) -> float:
+    if lse_base in ("e", np.e):
+        return 1.0
+    if lse_base in (2, "2"):
+        return np.log(2.0)
+    raise ValueError(f'lse_base: expected "e" or 2, got {lse_base!r}')
 
 
 def _f64(x) -> np.ndarray:
@@ -40,7 +80,7 @@ def _f64(x) -> np.ndarray:
 
 
 def _merge(v: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``v`` ``[states, tokens, heads, dim]``, ``s`` ``[states, heads, tokens]``."""
+    """``v`` ``[states, tokens, heads, dim]``, ``s`` ``[states, heads, tokens]``, natural log."""
     s = np.where(s == np.inf, -np.inf, s)  # FlashAttention-2 marks empty rows with +inf
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         s_max = np.max(s, axis=0)

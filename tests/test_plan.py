@@ -49,7 +49,9 @@ def _plan_from_views(views: dict):
 
 def test_a_valid_call_plans_a_launch():
     plan = _plan_from_views(_views(VALID))
-    assert plan is not None and plan.kernel.startswith("cupy_merge::merge_two_states<cupy_merge::half_t, 8>")
+    assert plan is not None and plan.kernel.startswith(
+        "cupy_merge::merge_two_states<cupy_merge::half_t, cupy_merge::half_t, 8,"
+    )
 
 
 @pytest.mark.parametrize("case", BAD_CASES, ids=lambda case: case.id)
@@ -63,7 +65,7 @@ def test_every_bad_input_raises_naming_the_argument(case):
 
 def test_token_major_lse_error_suggests_the_transpose():
     specs = dict(VALID, s_a=Spec(VALID["s_a"].shape[::-1], "float32"))
-    with pytest.raises(ValueError, match=r"transpose \(lse.T\)"):
+    with pytest.raises(ValueError, match="transposed view"):
         _plan_from_views(_views(specs))
 
 
@@ -126,7 +128,9 @@ def test_kernel_arguments_use_64_bit_strides_for_huge_tensors():
         "s_b": lse._replace(ptr=1 << 45),
     }
     plan = _plan_from_views(views)
-    assert plan.grid[0] * plan.block[1] >= tokens
+    rows_per_thread = int(plan.kernel.rstrip(">").rsplit(",", 1)[1])
+    token_blocks = -(-tokens // (plan.block[1] * rows_per_thread))
+    assert plan.grid == (token_blocks * heads, 1, 1)  # one block per work item, below 2^31
     assert math.prod(plan.grid) < 2**31
 
 
