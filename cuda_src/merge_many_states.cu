@@ -90,7 +90,9 @@ struct Partial {
   }
 };
 
-template <typename TIn, typename TOut, int VEC>
+// SPLIT: whether the block's z threads share rows (the instantiation without it
+// has no barrier or shared memory at all; blockDim.z is then 1).
+template <typename TIn, typename TOut, int VEC, bool SPLIT>
 __global__ void merge_many_states(
     TOut* out, float* out_lse, const TIn* v, const float* lse,
     const void* indptr, long long indptr_bytes, long long indptr_stride,
@@ -105,7 +107,7 @@ __global__ void merge_many_states(
   // Partials of splits 1.. for split 0 to combine: [splits - 1][rows_y][threads_x].
   extern __shared__ unsigned char shared_bytes[];
   Partial<VEC>* shared_partials = reinterpret_cast<Partial<VEC>*>(shared_bytes);
-  const int split = threadIdx.z, splits = blockDim.z;
+  const int split = SPLIT ? threadIdx.z : 0, splits = SPLIT ? blockDim.z : 1;
   const long long num_packs = head_size / VEC;
   const long long pack_stride_state = v_stride_state / VEC;  // the host checks divisibility
   const float to_natural = lse_to_natural(lse_base_2);
@@ -155,7 +157,7 @@ __global__ void merge_many_states(
         }
         part.template fold<TIn>(chunk_lse, chunk_values, n);
       }
-      if (splits > 1) {
+      if constexpr (SPLIT) {
         // Uniform across the block: every thread reaches both barriers.
         const int slot = threadIdx.y * blockDim.x + threadIdx.x;
         const int row_slots = blockDim.x * blockDim.y;

@@ -67,6 +67,10 @@ struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {
 #define CUPY_MERGE_STREAMING 1
 #endif
 
+#ifndef CUPY_MERGE_LOAD_OP
+#define CUPY_MERGE_LOAD_OP "ld.global.cs.v4.u32"
+#endif
+
 struct alignas(16) Bytes16 { unsigned x, y, z, w; };
 
 template <typename P>
@@ -74,7 +78,7 @@ __device__ __forceinline__ P load_pack(const P* address) {
 #if CUPY_MERGE_STREAMING
   if constexpr (sizeof(P) == 16) {
     Bytes16 b;
-    asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm volatile(CUPY_MERGE_LOAD_OP " {%0, %1, %2, %3}, [%4];"
                  : "=r"(b.x), "=r"(b.y), "=r"(b.z), "=r"(b.w) : "l"(address));
     return *reinterpret_cast<P*>(&b);
   }

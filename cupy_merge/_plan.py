@@ -84,7 +84,9 @@ def module_kernel_names(source: str, in_dtype: str, out_dtype: str) -> list[str]
             for vec in widths
             for rows in ROWS_INSTANTIATED
         ]
-    return [many_state_kernel_name(in_dtype, out_dtype, vec) for vec in widths]
+    return [
+        many_state_kernel_name(in_dtype, out_dtype, vec, split) for vec in widths for split in (False, True)
+    ]
 
 
 def all_modules() -> list[tuple[str, str, str]]:
@@ -100,8 +102,11 @@ def two_state_kernel_name(in_dtype: str, out_dtype: str, vec: int, rows: int) ->
     return f"cupy_merge::merge_two_states<{VALUE_CTYPES[in_dtype]}, {VALUE_CTYPES[out_dtype]}, {vec}, {rows}>"
 
 
-def many_state_kernel_name(in_dtype: str, out_dtype: str, vec: int) -> str:
-    return f"cupy_merge::merge_many_states<{VALUE_CTYPES[in_dtype]}, {VALUE_CTYPES[out_dtype]}, {vec}>"
+def many_state_kernel_name(in_dtype: str, out_dtype: str, vec: int, split: bool = False) -> str:
+    return (
+        f"cupy_merge::merge_many_states<{VALUE_CTYPES[in_dtype]}, {VALUE_CTYPES[out_dtype]}, {vec}, "
+        f"{'true' if split else 'false'}>"
+    )
 
 
 def check_two_states(

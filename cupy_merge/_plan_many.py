@@ -153,7 +153,7 @@ def plan_many(
         num_states, num_tokens, num_heads, head_size,
         *out.strides[:2], *v_strides, *lse_out.strides, *s_strides, lse_base_2,
     )  # fmt: skip
-    kernel = many_state_kernel_name(state.dtype, out.dtype, vec)
+    kernel = many_state_kernel_name(state.dtype, out.dtype, vec, splits > 1)
     block = (threads_x, rows_y, splits)
     return LaunchPlan((MANY_STATES_SOURCE, state.dtype, out.dtype), kernel, grid, block, args, shared_bytes)
 

@@ -5,10 +5,16 @@ For each case (bfloat16 unless named) it measures, in one run:
 * ``merge_us``: this library's kernel, CUDA events, median, L2 flushed before each repetition;
 * ``copy_us``: a device-to-device copy moving the same number of bytes (read + write), the ceiling;
 * ``torch_us``: the same formula in eager torch, when torch is installed;
+* ``compiled_us``: that formula through ``torch.compile`` (skip with ``--no-compile``);
 * ``graph_us``: the merge replayed from a CUDA graph (torch), which removes host cost;
-* host overhead per call, without synchronisation, for CuPy arrays and torch tensors.
+* host overhead per call, without synchronisation, for CuPy arrays and torch tensors
+  (batches of 256 calls, fewer than the launch queue holds, so the GPU never throttles
+  the host; the median batch);
 
-Usage: ``python -m cupy_merge.bench [--quick] [--out results.csv|.json] [--plot plot.png]``
+and then, for N-way and ragged merges, ``merge_states`` against the same-bytes copy,
+chained two-way merges and eager torch.
+
+Usage: ``python -m cupy_merge.bench [--quick] [--no-compile] [--out results.csv|.json] [--plot plot.png]``
 """
 
 from __future__ import annotations
@@ -16,12 +22,14 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 import sys
 import time
 
 import cupy
+import numpy
 
-from . import merge_attn_states
+from . import merge_attn_states, merge_states, merge_states_varlen
 from ._timing import median_ms
 
 DEFAULT_CASES = [
@@ -31,6 +39,18 @@ DEFAULT_CASES = [
 ]  # fmt: skip
 EXTRA_DTYPE_CASES = [(4096, 32, 128, "float16"), (4096, 32, 128, "float32")]
 QUICK_CASES = [(1, 32, 128), (64, 32, 128), (1024, 32, 128), (8192, 32, 128), (8192, 128, 128)]
+#: (num_states, tokens, heads, head_size), bfloat16; ragged cases have 0..2*mean states per token.
+MANY_CASES = [
+    (16, 64, 32, 128),
+    (64, 64, 32, 128),
+    (4, 4096, 32, 128),
+    (8, 8192, 32, 128),
+    (16, 1024, 32, 128),
+    (64, 256, 32, 128),
+    (256, 16, 32, 128),
+]
+QUICK_MANY_CASES = [(16, 64, 32, 128), (4, 4096, 32, 128)]
+RAGGED_CASES = [(8, 1024, 32, 128), (16, 4096, 32, 128)]  # (mean states per token, tokens, heads, head_size)
 
 
 def _torch():
@@ -63,16 +83,19 @@ def _traffic_bytes(tokens, heads, head_size, itemsize) -> int:
     return 3 * values + 3 * lse  # read two states, write one
 
 
-def _host_us_per_call(call, repeat=2000) -> float:
-    for _ in range(50):
+def _host_us_per_call(call, batch=256, batches=40) -> float:
+    """Median host time per call over batches short enough never to fill the launch queue."""
+    for _ in range(batch):
         call()
+    times = []
+    for _ in range(batches):
+        cupy.cuda.runtime.deviceSynchronize()
+        start = time.perf_counter()
+        for _ in range(batch):
+            call()
+        times.append((time.perf_counter() - start) / batch * 1e6)
     cupy.cuda.runtime.deviceSynchronize()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        call()
-    elapsed = time.perf_counter() - start
-    cupy.cuda.runtime.deviceSynchronize()
-    return elapsed / repeat * 1e6
+    return statistics.median(times)
 
 
 def _torch_eager(torch, out, v_a, s_a, v_b, s_b):
@@ -80,6 +103,22 @@ def _torch_eager(torch, out, v_a, s_a, v_b, s_b):
     w_a = torch.exp(s_a - lse).T.unsqueeze(-1)
     w_b = torch.exp(s_b - lse).T.unsqueeze(-1)
     out.copy_(w_a * v_a.float() + w_b * v_b.float())
+
+
+_compiled = {}
+
+
+def _torch_compiled_us(torch, out, v_a, s_a, v_b, s_b) -> float:
+    """The eager formula through torch.compile (one compilation, dynamic shapes); NaN if it fails."""
+    try:
+        if "merge" not in _compiled:
+            _compiled["merge"] = torch.compile(lambda *a: _torch_eager(torch, *a), dynamic=True)
+        compiled = _compiled["merge"]
+        return median_ms(lambda: compiled(out, v_a, s_a, v_b, s_b)) * 1e3
+    except Exception as error:  # noqa: BLE001 - any compiler failure only blanks this column
+        print(f"\ntorch.compile failed: {type(error).__name__}: {str(error)[:200]}", file=sys.stderr)
+        _compiled["merge"] = None
+        return float("nan")
 
 
 def _graph_us(torch, call) -> float:
@@ -91,7 +130,7 @@ def _graph_us(torch, call) -> float:
     return median_ms(graph.replay) * 1e3
 
 
-def run_case(tokens, heads, head_size, dtype, torch) -> dict:
+def run_case(tokens, heads, head_size, dtype, torch, compile_torch=True) -> dict:
     (v_a, v_b, out), (s_a, s_b, out_lse) = _states(tokens, heads, head_size, dtype, torch)
     itemsize = v_a.element_size() if torch is not None else v_a.itemsize
     traffic = _traffic_bytes(tokens, heads, head_size, itemsize)
@@ -110,6 +149,8 @@ def run_case(tokens, heads, head_size, dtype, torch) -> dict:
     row["pct_of_copy"] = 100 * row["copy_us"] / row["merge_us"]
     if torch is not None:
         row["torch_us"] = median_ms(lambda: _torch_eager(torch, out, v_a, s_a, v_b, s_b)) * 1e3
+        if compile_torch and _compiled.get("merge", True) is not None:
+            row["compiled_us"] = _torch_compiled_us(torch, out, v_a, s_a, v_b, s_b)
         row["graph_us"] = _graph_us(torch, merge)
         row["host_torch_us"] = _host_us_per_call(merge) if tokens <= 64 else float("nan")
     if tokens <= 64:
@@ -121,18 +162,100 @@ def run_case(tokens, heads, head_size, dtype, torch) -> dict:
 COLUMNS = [
     ("tokens", "{:>6}"), ("heads", "{:>5}"), ("head_size", "{:>4}"), ("dtype", "{:<8}"), ("mbytes", "{:>8.1f}"),
     ("merge_us", "{:>9.1f}"), ("copy_us", "{:>9.1f}"), ("pct_of_copy", "{:>6.1f}"), ("merge_gbps", "{:>6.0f}"),
-    ("torch_us", "{:>9.1f}"), ("graph_us", "{:>9.1f}"), ("host_cupy_us", "{:>7.1f}"), ("host_torch_us", "{:>7.1f}"),
+    ("torch_us", "{:>9.1f}"), ("compiled_us", "{:>11.1f}"), ("graph_us", "{:>9.1f}"), ("host_cupy_us", "{:>7.1f}"), ("host_torch_us", "{:>7.1f}"),
 ]  # fmt: skip
 
 
-def format_table(rows: list[dict]) -> str:
+def _torch_eager_many(torch, v, s):
+    """The N-way formula in eager torch: ``v`` [N, T, H, D], ``s`` [N, H, T]."""
+    lse_max = s.amax(0)
+    weights = torch.exp(s - lse_max)
+    total = weights.sum(0)
+    out = torch.einsum("nht,nthd->thd", weights / total, v.float())
+    return out.to(v.dtype), lse_max + torch.log(total)
+
+
+def _random(shape, torch, dtype="bfloat16", scale=1.0):
+    if torch is not None:
+        return torch.randn(shape, device="cuda", dtype=getattr(torch, dtype)) * scale
+    return (
+        cupy.random.standard_normal(shape, dtype=cupy.float32).astype(
+            "float16" if dtype == "bfloat16" else dtype
+        )
+        * scale
+    )
+
+
+def run_many_case(states, tokens, heads, head_size, torch, ragged=False) -> dict:
+    """One N-way (or ragged, ``states`` then being the mean per token) merge against the copy ceiling."""
+    row = {
+        "kind": "ragged" if ragged else "dense",
+        "states": states,
+        "tokens": tokens,
+        "heads": heads,
+        "head_size": head_size,
+    }
+    if ragged:
+        counts = numpy.random.default_rng(0).integers(0, 2 * states + 1, size=tokens)
+        indptr_host = numpy.concatenate([[0], numpy.cumsum(counts)])
+        total = int(indptr_host[-1])
+        v, s = _random((total, heads, head_size), torch), _random((heads, total), torch, "float32", 4.0)
+        indptr = (
+            torch.as_tensor(indptr_host, device="cuda") if torch is not None else cupy.asarray(indptr_host)
+        )
+        stored_states = total
+    else:
+        v, s = (
+            _random((states, tokens, heads, head_size), torch),
+            _random((states, heads, tokens), torch, "float32", 4.0),
+        )
+        stored_states = states * tokens
+    out, out_lse = _random((tokens, heads, head_size), torch), _random((heads, tokens), torch, "float32")
+    itemsize = 2
+    traffic = (stored_states * heads * (head_size * itemsize + 4)) + tokens * heads * (
+        head_size * itemsize + 4
+    )
+    row["mbytes"] = traffic / 1e6
+    if ragged:
+        row["merge_us"] = (
+            median_ms(lambda: merge_states_varlen(v, s, indptr, out=out, out_lse=out_lse, check_indptr=False))
+            * 1e3
+        )
+    else:
+        row["merge_us"] = median_ms(lambda: merge_states(v, s, out=out, out_lse=out_lse)) * 1e3
+
+        def chained():
+            merge_attn_states(out, v[0], s[0], v[1], s[1], out_lse)
+            for i in range(2, states):
+                merge_attn_states(out, out, out_lse, v[i], s[i], out_lse)
+
+        row["chained_us"] = median_ms(chained) * 1e3
+        if torch is not None:
+            row["torch_us"] = median_ms(lambda: _torch_eager_many(torch, v, s)) * 1e3
+    copy_src = cupy.empty(traffic // 2, dtype=cupy.uint8)
+    copy_dst = cupy.empty_like(copy_src)
+    row["copy_us"] = median_ms(lambda: copy_dst.__setitem__(Ellipsis, copy_src)) * 1e3
+    row["merge_gbps"] = traffic / row["merge_us"] / 1e3
+    row["pct_of_copy"] = 100 * row["copy_us"] / row["merge_us"]
+    return row
+
+
+MANY_COLUMNS = [
+    ("kind", "{:<6}"), ("states", "{:>6}"), ("tokens", "{:>6}"), ("heads", "{:>5}"), ("head_size", "{:>4}"),
+    ("mbytes", "{:>8.1f}"), ("merge_us", "{:>9.1f}"), ("copy_us", "{:>9.1f}"), ("pct_of_copy", "{:>6.1f}"),
+    ("merge_gbps", "{:>6.0f}"), ("chained_us", "{:>10.1f}"), ("torch_us", "{:>9.1f}"),
+]  # fmt: skip
+
+
+def format_table(rows: list[dict], columns=None) -> str:
+    columns = columns or COLUMNS
     header = " ".join(
-        f"{name:>{len(fmt.format(0) if 'f' in fmt else fmt.format('x'))}}" for name, fmt in COLUMNS
+        f"{name:>{len(fmt.format(0) if 'f' in fmt else fmt.format('x'))}}" for name, fmt in columns
     )
     lines = [header]
     for row in rows:
         cells = []
-        for name, fmt in COLUMNS:
+        for name, fmt in columns:
             value = row.get(name)
             width = len(fmt.format(0) if "f" in fmt else fmt.format("x"))
             cells.append(fmt.format(value) if value is not None else f"{'-':>{width}}")
@@ -145,7 +268,7 @@ def _write(rows: list[dict], path: str) -> None:
         with open(path, "w") as f:
             json.dump(rows, f, indent=1)
         return
-    names = [name for name, _ in COLUMNS]
+    names = list(dict.fromkeys(name for name, _ in COLUMNS + MANY_COLUMNS))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=names, extrasaction="ignore")
         writer.writeheader()
@@ -177,9 +300,19 @@ def _plot(rows: list[dict], path: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few cases only")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="time the cross-rank strategies (run under torchrun, one rank per GPU)",
+    )
     parser.add_argument("--out", help="write the rows to FILE.csv or FILE.json")
     parser.add_argument("--plot", help="write a PNG of GB/s and %% of copy speed against size")
     args = parser.parse_args(argv)
+    if args.distributed:
+        from . import _bench_distributed
+
+        return _bench_distributed.main()
     if not cupy.cuda.is_available():
         print("no CUDA device: nothing to benchmark")
         return 0
@@ -189,17 +322,40 @@ def main(argv=None) -> int:
         cases += EXTRA_DTYPE_CASES
     if torch is None:
         cases = [c for c in cases if c[3] != "bfloat16"] or [(*c[:3], "float16") for c in cases]
-    rows = []
+    many = [(*c, False) for c in (QUICK_MANY_CASES if args.quick else MANY_CASES)]
+    many += [(*c, True) for c in RAGGED_CASES[: 1 if args.quick else None]]
+    total = len(cases) + len(many)
+    rows, many_rows = [], []
     for index, case in enumerate(cases, 1):
-        print(f"\r[{index}/{len(cases)}] {case}", end="", file=sys.stderr, flush=True)
-        rows.append(run_case(*case, torch))
+        _progress(index, total, case)
+        rows.append(run_case(*case, torch, compile_torch=not args.no_compile))
+    for index, case in enumerate(many, len(cases) + 1):
+        _progress(index, total, case)
+        many_rows.append(run_many_case(*case[:4], torch, ragged=case[4]))
+        _release_memory(torch)
     print(file=sys.stderr)
     print(format_table(rows))
+    print()
+    print(format_table(many_rows, MANY_COLUMNS))
     if args.out:
-        _write(rows, args.out)
+        _write(rows + many_rows, args.out)
     if args.plot:
         _plot(rows, args.plot)
     return 0
+
+
+def _release_memory(torch) -> None:
+    """Return the case's buffers to the device so the next, larger case fits beside the L2 flush."""
+    cupy.get_default_memory_pool().free_all_blocks()
+    if torch is not None:
+        torch.cuda.empty_cache()
+
+
+def _progress(index: int, total: int, case) -> None:
+    width = 30
+    done = width * (index - 1) // total
+    bar = "#" * done + "." * (width - done)
+    print(f"\r[{bar}] {index}/{total} {case}   ", end="", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

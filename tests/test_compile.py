@@ -20,10 +20,10 @@ def test_each_dtype_pair_vector_width_and_row_count_is_instantiated():
     assert "cupy_merge::merge_two_states<float, float, 4, 1>" in names
     assert "cupy_merge::merge_two_states<cupy_merge::bfloat16_t, cupy_merge::bfloat16_t, 8, 2>" in names
     assert "cupy_merge::merge_two_states<float, cupy_merge::bfloat16_t, 8, 4>" in names
-    assert "cupy_merge::merge_many_states<float, cupy_merge::half_t, 8>" in names
-    assert "cupy_merge::merge_many_states<float, float, 1>" in names
-    # Two-way: 8 dtype pairs x 4 widths x 3 row counts + float32 x 3 x 3; N-way: 8 x 4 + 3.
-    assert len(names) == 8 * 4 * 3 + 3 * 3 + 8 * 4 + 3
+    assert "cupy_merge::merge_many_states<float, cupy_merge::half_t, 8, true>" in names
+    assert "cupy_merge::merge_many_states<float, float, 1, false>" in names
+    # Two-way: 8 dtype pairs x 4 widths x 3 row counts + float32 x 3 x 3; N-way: (8 x 4 + 3) x split or not.
+    assert len(names) == 8 * 4 * 3 + 3 * 3 + (8 * 4 + 3) * 2
 
 
 def test_shipped_source_includes_no_cuda_header():
