@@ -6,7 +6,7 @@
 >>> v, s = cm.merge_states(v_splits, s_splits)               # doctest: +SKIP
 """
 
-from . import reference
+from . import distributed, reference
 from ._kernels import KernelCompileError
 from .merge import merge_attn_states, merge_state, merge_state_in_place
 from .merge_many import merge_states, merge_states_varlen
@@ -16,6 +16,7 @@ __version__ = "0.2.0"
 __all__ = [
     "KernelCompileError",
     "__version__",
+    "distributed",
     "merge_attn_states",
     "merge_state",
     "merge_state_in_place",
