@@ -52,6 +52,8 @@ def _learn_torch() -> None:
 
 
 def lookup(key: tuple) -> Call | None:
+    """The prepared call for ``key``; keys start with the public function's name, so two
+    functions given the same arrays never share a launch."""
     try:
         return _calls.get(key)
     except TypeError:  # an unhashable option; the full path reports it

@@ -70,7 +70,7 @@ def merge_attn_states(
     True
     """
     key = (
-        fingerprint(output), fingerprint(prefix_output), fingerprint(prefix_lse), fingerprint(suffix_output),
+        "merge_attn_states", fingerprint(output), fingerprint(prefix_output), fingerprint(prefix_lse), fingerprint(suffix_output),
         fingerprint(suffix_lse), fingerprint(output_lse),
         _UNSET if prefill_tokens_with_context is None else prefill_tokens_with_context, lse_base,
     )  # fmt: skip
@@ -183,7 +183,8 @@ def merge_state_in_place(
     (2.0, 1.0)
     """
     key = (
-        fingerprint(v), fingerprint(s), fingerprint(v_other), fingerprint(s_other), fingerprint(mask), lse_base,
+        "merge_state_in_place", fingerprint(v), fingerprint(s), fingerprint(v_other), fingerprint(s_other),
+        fingerprint(mask), lse_base,
     )  # fmt: skip
     call = _dispatch.lookup(key)
     if call is None:

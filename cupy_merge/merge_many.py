@@ -104,6 +104,7 @@ def _merge(v, s, indptr, out, out_lse, lse_base, out_dtype, stream, check_indptr
     # The fast path needs caller-owned outputs, and no host check of indptr (which reads its values).
     if out is not None and out_lse is not None and out_dtype is None and not check_indptr:
         key = (
+            "merge_states",  # dense and ragged differ by the indptr fingerprint, () when dense
             fingerprint(out),
             fingerprint(out_lse),
             fingerprint(v),

@@ -40,3 +40,22 @@ def test_the_call_cache_is_bounded(monkeypatch):
         _dispatch.remember((key,), _dispatch.Call(None, "cupy", 0))
     assert len(_dispatch._calls) <= 3
     _dispatch._calls.clear()
+
+
+def test_calls_of_different_functions_never_share_a_cached_launch(monkeypatch):
+    # merge_state_in_place(v, s, v_other, s_other, mask) and
+    # merge_states_varlen(v_other, s_other, mask, out=v, out_lse=s) name the same five arrays;
+    # a shared key would let the second replay the first's launch without any check.
+    torch = pytest.importorskip("torch")
+    import cupy_merge as cm
+
+    keys = []
+    monkeypatch.setattr(_dispatch, "lookup", lambda key: keys.append(key))
+    v, v_other = torch.zeros(2, 3, 2, 8)
+    s, s_other = torch.zeros(2, 2, 3)
+    mask = torch.ones(3, dtype=torch.bool)
+    with pytest.raises(TypeError):  # CPU tensors: rejected after the lookup
+        cm.merge_state_in_place(v, s, v_other, s_other, mask)
+    with pytest.raises(TypeError):
+        cm.merge_states_varlen(v_other, s_other, mask, out=v, out_lse=s, check_indptr=False)
+    assert len(keys) == 2 and keys[0] != keys[1]
