@@ -12,7 +12,7 @@ import time
 import cupy
 import numpy
 
-from . import _kernels, _plan, merge_state, merge_states, reference
+from . import _arrays, _kernels, _plan, merge_state, merge_states, reference
 from ._timing import median_ms
 
 # (tokens, heads, head_size, dtype): decode, chunked prefill, long prefill.
@@ -103,15 +103,10 @@ def _check_many(states, tokens, heads, head_size, dtype, rng) -> str:
 def _cupy_dtype(name: str):
     """The CuPy dtype for ``name``, or ``None`` where this CuPy cannot hold it (bfloat16 needs ml_dtypes)."""
     try:
-        if name == "bfloat16":
-            import ml_dtypes
-
-            dtype = ml_dtypes.bfloat16
-        else:
-            dtype = numpy.dtype(name)
+        dtype = _arrays.cupy_dtype(name)
         cupy.empty(1, dtype=dtype)
         return dtype
-    except (ImportError, TypeError, ValueError, NotImplementedError):
+    except (TypeError, ValueError, NotImplementedError):
         return None
 
 

@@ -130,9 +130,6 @@ class TorchOps:
     def transpose(self, x):
         return x.transpose(-2, -1)
 
-    def swap_last(self, x):
-        return x.transpose(-2, -1)
-
     def to_float32(self, x):
         return x.float()
 
@@ -148,7 +145,7 @@ class TorchOps:
     def contiguous(self, x):
         return x.contiguous()
 
-    def assign(self, dst, src, name):
+    def assign(self, dst, src):
         dst.copy_(src)  # shapes, dtypes and devices were checked before any collective
 
 
@@ -191,16 +188,7 @@ class CupyOps:
     def log(self, x):
         return self.cp.log(x)
 
-    def amax(self, x, axis):
-        return self.cp.amax(x, axis)
-
-    def sum(self, x, axis):
-        return self.cp.sum(x, axis)
-
     def transpose(self, x):
-        return self.cp.swapaxes(x, -2, -1)
-
-    def swap_last(self, x):
         return self.cp.swapaxes(x, -2, -1)
 
     def to_float32(self, x):
@@ -220,5 +208,5 @@ class CupyOps:
     def contiguous(self, x):
         return self.cp.ascontiguousarray(x)
 
-    def assign(self, dst, src, name):
+    def assign(self, dst, src):
         dst[...] = src  # shapes and dtypes were checked before any collective

@@ -141,11 +141,6 @@ def launch_prepared(prepared: PreparedLaunch, stream: int) -> None:
 _driver_launch = cupy.cuda.driver.launchKernel
 
 
-def launch(plan: LaunchPlan, device: int, stream: int) -> None:
-    """Launch ``plan`` on ``stream`` of ``device``."""
-    launch_prepared(prepare(plan, device), stream)
-
-
 def compile_offline(arch: str, modules: list[tuple[str, str, str]] | None = None) -> dict[str, str]:
     """Compile ``modules`` (default: all) for ``sm_<arch>`` with NVRTC alone; no GPU is needed.
 

@@ -181,8 +181,8 @@ def plan_merge_two(
     threads_x, rows_y = choose_block(head_size // vec, num_tokens)
     rows = choose_rows_per_thread(num_tokens, rows_y)
     grid = (min(-(-num_tokens // (rows_y * rows)) * num_heads, MAX_GRID_X), 1, 1)
-    lse_out = out_lse if out_lse is not None else _NO_ARRAY
-    mask_view = mask if mask is not None else _NO_ARRAY
+    lse_out = out_lse if out_lse is not None else NO_ARRAY
+    mask_view = mask if mask is not None else NO_ARRAY
     merge_tokens = num_tokens if options.merge_tokens is None else min(options.merge_tokens, num_tokens)
     lse_is_input = int(out_lse is not None and out_lse in (s_a, s_b))
     args = (
@@ -196,7 +196,8 @@ def plan_merge_two(
     return LaunchPlan((TWO_STATES_SOURCE, state.dtype, out.dtype), kernel, grid, (threads_x, rows_y, 1), args)
 
 
-_NO_ARRAY = ArrayView(0, (0, 0), (0, 0), "float32", 4, 0)
+#: Stands in for an optional array that was not given (a null pointer, strides 0).
+NO_ARRAY = ArrayView(0, (0, 0), (0, 0), "float32", 4, 0)
 
 
 def check_outputs(

@@ -10,6 +10,7 @@ from ._arrays import ArrayView
 from ._plan import (
     MANY_STATES_SOURCE,
     MAX_GRID_X,
+    NO_ARRAY,
     LaunchPlan,
     StateShape,
     TwoStateNames,
@@ -146,8 +147,8 @@ def plan_many(
     rows_y = max(1, min(rows_y, MAX_BLOCK_THREADS // (threads_x * splits)))
     grid = (min(-(-num_tokens // rows_y) * num_heads, MAX_GRID_X), 1, 1)
     shared_bytes = (splits - 1) * threads_x * rows_y * (vec + 3) * 4  # sizeof(Partial<VEC>) per slot
-    lse_out = out_lse if out_lse is not None else ArrayView(0, (0, 0), (0, 0), "float32", 4, 0)
-    index = indptr if indptr is not None else ArrayView(0, (0,), (0,), "int64", 8, 0)
+    lse_out = out_lse if out_lse is not None else NO_ARRAY
+    index = indptr if indptr is not None else NO_ARRAY._replace(dtype="int64", itemsize=8)
     args = (
         out.ptr, lse_out.ptr, v.ptr, s.ptr, index.ptr, index.itemsize, index.strides[0],
         num_states, num_tokens, num_heads, head_size,

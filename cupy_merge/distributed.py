@@ -132,7 +132,7 @@ def _merge_by_allgather(comm, xp, v, s, lse_base, to_natural: float):
 
 
 def merge_stacked_states(xp, v, s, to_natural: float = 1.0):
-    """The N-way merge in plain array operations, for devices the kernels do not run on (gloo's CPU).
+    """The N-way merge in plain torch operations, for devices the kernels do not run on (gloo's CPU).
 
     ``v`` ``[states, tokens, heads, head_size]``, ``s`` ``[states, heads, tokens]``; same rules as the kernels.
     """
@@ -140,7 +140,7 @@ def merge_stacked_states(xp, v, s, to_natural: float = 1.0):
     lse_max = xp.amax(xp.where(xp.isnan(s), math.inf, s), 0)
     weight = xp.where(lse_max == -math.inf, 0.0, xp.exp(s - lse_max))  # [states, heads, tokens]
     total = xp.sum(weight, 0)
-    row_weight = xp.swap_last(weight)[..., None]  # [states, tokens, heads, 1]
+    row_weight = xp.transpose(weight)[..., None]  # [states, tokens, heads, 1]
     weighted = xp.sum(xp.where(row_weight == 0.0, 0.0, row_weight * xp.to_float32(v)), 0)
     row_total = xp.transpose(total)[..., None]
     values = xp.where(row_total == 0.0, 0.0, weighted / row_total)
@@ -150,10 +150,10 @@ def merge_stacked_states(xp, v, s, to_natural: float = 1.0):
 
 def _deliver(xp, merged_v, merged_s, out, out_lse):
     if out is not None:
-        xp.assign(out, merged_v, "out")
+        xp.assign(out, merged_v)
         merged_v = out
     if out_lse is not None:
-        xp.assign(out_lse, merged_s, "out_lse")
+        xp.assign(out_lse, merged_s)
         merged_s = out_lse
     return merged_v, merged_s
 

@@ -15,7 +15,11 @@ Example
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+from ._conventions import lse_base_flag
 
 
 def merge_state(v_a, s_a, v_b, s_b, lse_base="e") -> tuple[np.ndarray, np.ndarray]:
@@ -43,7 +47,7 @@ def merge_states(v, s, lse_base="e") -> tuple[np.ndarray, np.ndarray]:
     all, or only empty ones, give 0 and -inf.
     """
     v, s = _f64(v), _f64(s)
-    log_base = _log_base(lse_base)
+    log_base = math.log(2.0) if lse_base_flag(lse_base) else 1.0
     if s.shape[0] == 0:
         return np.zeros(v.shape[1:]), np.full(s.shape[1:], -np.inf)
     out, lse = _merge(v, s * log_base)
@@ -65,14 +69,6 @@ def merge_states_varlen(v, s, indptr, lse_base="e") -> tuple[np.ndarray, np.ndar
         merged, merged_lse = merge_states(v[rows, None], s[:, rows].T[:, :, None], lse_base)
         out[token], lse[:, token] = merged[0], merged_lse[:, 0]
     return out, lse
-
-
-def _log_base(lse_base) -> float:
-    if lse_base in ("e", np.e):
-        return 1.0
-    if lse_base in (2, "2"):
-        return np.log(2.0)
-    raise ValueError(f'lse_base: expected "e" or 2, got {lse_base!r}')
 
 
 def _f64(x) -> np.ndarray:
