@@ -66,7 +66,11 @@ __device__ __forceinline__ Pack<TOut, VEC> merge_pack(const StateWeights& w,
   return out;
 }
 
-template <typename TIn, typename TOut, int VEC, int ROWS>
+// ASYNC (16-byte packs only): the first packs of all ROWS rows are copied into
+// shared memory with cp.async instead of into registers, so a thread keeps
+// 2 * ROWS packs in flight without holding registers for them. Each thread reads
+// back only what it copied itself, so waiting for its own copies is enough.
+template <typename TIn, typename TOut, int VEC, int ROWS, bool ASYNC>
 __global__ void merge_two_states(
     TOut* out, float* out_lse,
     const TIn* v_a, const float* lse_a,
@@ -97,7 +101,11 @@ __global__ void merge_two_states(
     long long token[ROWS];
     bool active[ROWS];
     float s_a[ROWS], s_b[ROWS];
-    InPack a[ROWS], b[ROWS];
+    InPack a[ASYNC ? 1 : ROWS], b[ASYNC ? 1 : ROWS];
+    extern __shared__ unsigned char shared_bytes[];
+    InPack* staged = reinterpret_cast<InPack*>(shared_bytes);  // [ROWS][2][threads]
+    const int lane = threadIdx.y * blockDim.x + threadIdx.x;
+    const int threads = blockDim.x * blockDim.y;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       token[r] = token_block * tokens_per_block + r * blockDim.y + threadIdx.y;
@@ -109,11 +117,19 @@ __global__ void merge_two_states(
         s_a[r] = lse_a[head * lse_a_stride_head + token[r] * lse_a_stride_token];
         s_b[r] = lse_b[head * lse_b_stride_head + token[r] * lse_b_stride_token];
         if (first_pack < num_packs) {
-          a[r] = load_pack(reinterpret_cast<const InPack*>(v_a + token[r] * a_stride_token + head * a_stride_head) + first_pack);
-          b[r] = load_pack(reinterpret_cast<const InPack*>(v_b + token[r] * b_stride_token + head * b_stride_head) + first_pack);
+          const InPack* from_a = reinterpret_cast<const InPack*>(v_a + token[r] * a_stride_token + head * a_stride_head) + first_pack;
+          const InPack* from_b = reinterpret_cast<const InPack*>(v_b + token[r] * b_stride_token + head * b_stride_head) + first_pack;
+          if constexpr (ASYNC) {
+            copy_async_16(staged + (2 * r) * threads + lane, from_a);
+            copy_async_16(staged + (2 * r + 1) * threads + lane, from_b);
+          } else {
+            a[r] = load_pack(from_a);
+            b[r] = load_pack(from_b);
+          }
         }
       }
     }
+    if constexpr (ASYNC) wait_async_copies();
     StateWeights w[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -144,7 +160,11 @@ __global__ void merge_two_states(
       const InPack* row_a = reinterpret_cast<const InPack*>(v_a + token[r] * a_stride_token + head * a_stride_head);
       const InPack* row_b = reinterpret_cast<const InPack*>(v_b + token[r] * b_stride_token + head * b_stride_head);
       OutPack* row_out = reinterpret_cast<OutPack*>(out + token[r] * out_stride_token + head * out_stride_head);
-      store_pack(row_out + first_pack, merge_pack<TOut>(w[r], a[r], b[r]));
+      if constexpr (ASYNC) {
+        store_pack(row_out + first_pack, merge_pack<TOut>(w[r], staged[(2 * r) * threads + lane], staged[(2 * r + 1) * threads + lane]));
+      } else {
+        store_pack(row_out + first_pack, merge_pack<TOut>(w[r], a[r], b[r]));
+      }
       for (long long p = first_pack + blockDim.x; p < num_packs; p += blockDim.x) {
         store_pack(row_out + p, merge_pack<TOut>(w[r], load_pack(row_a + p), load_pack(row_b + p)));
       }

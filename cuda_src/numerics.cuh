@@ -109,6 +109,24 @@ __device__ __forceinline__ float empty_if_inf(float lse) {
   return lse == positive_infinity() ? negative_infinity() : lse;
 }
 
+// Asynchronous 16-byte copy from global to shared memory (sm_80+), bypassing L1.
+__device__ __forceinline__ void copy_async_16(void* shared_destination, const void* global_source) {
+#if __CUDA_ARCH__ >= 800
+  unsigned address;
+  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(shared_destination));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global_source) : "memory");
+#else
+  *reinterpret_cast<Bytes16*>(shared_destination) = *reinterpret_cast<const Bytes16*>(global_source);
+#endif
+}
+
+// Waits until every asynchronous copy this thread issued has landed.
+__device__ __forceinline__ void wait_async_copies() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // Work items (a block's tokens of one head) are numbered head-fastest, so that
 // blocks running at the same time read neighbouring heads of the same tokens:
 // contiguous memory (1-2 points of copy speed over token-fastest, docs/PERF.md).

@@ -23,6 +23,14 @@ THREADS_PER_BLOCK = 64
 #: 2 measured 8-12 points of copy speed above 1 and 4 (docs/PERF.md).
 ROWS_PER_THREAD = 2
 ROWS_INSTANTIATED = (1, 2, 4)
+#: Rows per thread when the first packs are staged through shared memory with
+#: cp.async (16-byte packs only; see the kernel), and whether to do so. Staging 4
+#: rows measured 0-3 points of copy speed better from about 200 MB of traffic and
+#: up to 11 points worse below it, where the direct loads stay (docs/PERF.md).
+ASYNC_LOADS = True
+ASYNC_MIN_TRAFFIC_BYTES = 200_000_000
+ASYNC_ROWS_PER_THREAD = 4
+ASYNC_ROWS_INSTANTIATED = (2, 4, 8)
 #: Work items beyond this many blocks are looped over inside the kernel.
 MAX_GRID_X = 2**31 - 1
 
@@ -79,11 +87,17 @@ def module_kernel_names(source: str, in_dtype: str, out_dtype: str) -> list[str]
     """Every kernel instantiation compiled together in one module."""
     widths = vector_widths(in_dtype, out_dtype)
     if source == TWO_STATES_SOURCE:
-        return [
+        direct = [
             two_state_kernel_name(in_dtype, out_dtype, vec, rows)
             for vec in widths
             for rows in ROWS_INSTANTIATED
         ]
+        full_pack = 16 // ITEMSIZES[in_dtype]
+        staged = [
+            two_state_kernel_name(in_dtype, out_dtype, full_pack, rows, True)
+            for rows in ASYNC_ROWS_INSTANTIATED
+        ]
+        return direct + (staged if full_pack in widths else [])
     return [
         many_state_kernel_name(in_dtype, out_dtype, vec, split) for vec in widths for split in (False, True)
     ]
@@ -98,8 +112,12 @@ def all_modules() -> list[tuple[str, str, str]]:
     ]
 
 
-def two_state_kernel_name(in_dtype: str, out_dtype: str, vec: int, rows: int) -> str:
-    return f"cupy_merge::merge_two_states<{VALUE_CTYPES[in_dtype]}, {VALUE_CTYPES[out_dtype]}, {vec}, {rows}>"
+ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def two_state_kernel_name(in_dtype: str, out_dtype: str, vec: int, rows: int, staged: bool = False) -> str:
+    ctypes = f"{VALUE_CTYPES[in_dtype]}, {VALUE_CTYPES[out_dtype]}"
+    return f"cupy_merge::merge_two_states<{ctypes}, {vec}, {rows}, {'true' if staged else 'false'}>"
 
 
 def many_state_kernel_name(in_dtype: str, out_dtype: str, vec: int, split: bool = False) -> str:
@@ -179,7 +197,10 @@ def plan_merge_two(
         return None
     vec = choose_vector_width([out, v_a, v_b], head_size, vector_widths(state.dtype, out.dtype))
     threads_x, rows_y = choose_block(head_size // vec, num_tokens)
-    rows = choose_rows_per_thread(num_tokens, rows_y)
+    traffic = num_tokens * num_heads * head_size * (2 * v_a.itemsize + out.itemsize)
+    staged = ASYNC_LOADS and vec * v_a.itemsize == 16 and traffic >= ASYNC_MIN_TRAFFIC_BYTES
+    rows = choose_rows_per_thread(num_tokens, rows_y, staged)
+    shared_bytes = 2 * rows * threads_x * rows_y * 16 if staged else 0
     grid = (min(-(-num_tokens // (rows_y * rows)) * num_heads, MAX_GRID_X), 1, 1)
     lse_out = out_lse if out_lse is not None else NO_ARRAY
     mask_view = mask if mask is not None else NO_ARRAY
@@ -192,8 +213,9 @@ def plan_merge_two(
         *lse_out.strides, *s_a.strides, *s_b.strides,
         mask_view.strides[0], options.lse_base_2, lse_is_input,
     )  # fmt: skip
-    kernel = two_state_kernel_name(state.dtype, out.dtype, vec, rows)
-    return LaunchPlan((TWO_STATES_SOURCE, state.dtype, out.dtype), kernel, grid, (threads_x, rows_y, 1), args)
+    kernel = two_state_kernel_name(state.dtype, out.dtype, vec, rows, staged)
+    block = (threads_x, rows_y, 1)
+    return LaunchPlan((TWO_STATES_SOURCE, state.dtype, out.dtype), kernel, grid, block, args, shared_bytes)
 
 
 #: Stands in for an optional array that was not given (a null pointer, strides 0).
@@ -254,9 +276,11 @@ def choose_block(packs_per_row: int, num_tokens: int) -> tuple[int, int]:
     return threads_x, rows_per_block
 
 
-def choose_rows_per_thread(num_tokens: int, rows_y: int) -> int:
-    """ROWS_PER_THREAD, less when there are too few tokens to give every thread that many."""
-    rows = ROWS_PER_THREAD
-    while rows > 1 and rows_y * rows > num_tokens:
+def choose_rows_per_thread(num_tokens: int, rows_y: int, staged: bool = False) -> int:
+    """Rows a thread owns: the measured best, fewer when there are too few tokens for that many."""
+    rows, allowed = (
+        (ASYNC_ROWS_PER_THREAD, ASYNC_ROWS_INSTANTIATED) if staged else (ROWS_PER_THREAD, ROWS_INSTANTIATED)
+    )
+    while rows > min(allowed) and rows_y * rows > num_tokens:
         rows //= 2
     return rows

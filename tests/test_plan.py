@@ -52,6 +52,19 @@ def test_a_valid_call_plans_a_launch():
     assert plan is not None and plan.kernel.startswith(
         "cupy_merge::merge_two_states<cupy_merge::half_t, cupy_merge::half_t, 8,"
     )
+    assert plan.kernel.endswith("false>") and plan.shared_bytes == 0  # small: direct loads
+
+
+@pytest.mark.parametrize("tokens, staged", [(4096, False), (32768, True)])
+def test_large_merges_stage_their_first_packs_through_shared_memory(tokens, staged):
+    values = Spec((tokens, 32, 128), "float16")
+    lse = Spec((32, tokens), "float32")
+    specs = {"out": values, "out_lse": lse, "v_a": values, "s_a": lse, "v_b": values, "s_b": lse}
+    plan = _plan_from_views(_views(specs))
+    rows = int(plan.kernel.split(",")[-2])
+    assert plan.kernel.endswith("true>" if staged else "false>")
+    # Staged: 2 states x rows x threads x 16 bytes of shared memory.
+    assert plan.shared_bytes == (2 * rows * plan.block[0] * plan.block[1] * 16 if staged else 0)
 
 
 @pytest.mark.parametrize("case", BAD_CASES, ids=lambda case: case.id)
@@ -128,7 +141,7 @@ def test_kernel_arguments_use_64_bit_strides_for_huge_tensors():
         "s_b": lse._replace(ptr=1 << 45),
     }
     plan = _plan_from_views(views)
-    rows_per_thread = int(plan.kernel.rstrip(">").rsplit(",", 1)[1])
+    rows_per_thread = int(plan.kernel.split(",")[-2])
     token_blocks = -(-tokens // (plan.block[1] * rows_per_thread))
     assert plan.grid == (token_blocks * heads, 1, 1)  # one block per work item, below 2^31
     assert math.prod(plan.grid) < 2**31
