@@ -54,27 +54,24 @@ struct Partial {
     return new_max;
   }
 
+  // States past the end of the row arrive with lse = -inf: weight zero, skipped.
   template <typename TIn>
-  __device__ __forceinline__ void fold(const float (&lse)[MERGE_CHUNK], const Pack<TIn, VEC> (&values)[MERGE_CHUNK], int n) {
+  __device__ __forceinline__ void fold(const float (&lse)[MERGE_CHUNK], const Pack<TIn, VEC> (&values)[MERGE_CHUNK]) {
     float chunk_max = negative_infinity();
 #pragma unroll
     for (int j = 0; j < MERGE_CHUNK; ++j) {
-      if (j < n) {
-        any_nan |= is_nan(lse[j]);
-        chunk_max = fmaxf(chunk_max, lse[j]);  // fmaxf ignores NaN
-      }
+      any_nan |= is_nan(lse[j]);
+      chunk_max = fmaxf(chunk_max, lse[j]);  // fmaxf ignores NaN
     }
     if (rebase(chunk_max) == negative_infinity()) return;
 #pragma unroll
     for (int j = 0; j < MERGE_CHUNK; ++j) {
-      if (j < n) {
-        const float weight = expf(lse[j] - lse_max);
-        sum += weight;
-        // A state of weight zero adds nothing, even if its values are NaN (an empty split).
+      const float weight = expf(lse[j] - lse_max);
+      sum += weight;
+      // A state of weight zero adds nothing, even if its values are NaN (an empty split).
+      if (weight != 0.0f) {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          acc[k] = weight == 0.0f ? acc[k] : fmaf(weight, to_float(values[j].v[k]), acc[k]);
-        }
+        for (int k = 0; k < VEC; ++k) acc[k] = fmaf(weight, to_float(values[j].v[k]), acc[k]);
       }
     }
   }
@@ -90,9 +87,24 @@ struct Partial {
   }
 };
 
+// The last state index of the chunk starting at i0 (a short chunk re-reads it).
+template <typename Index>
+__device__ __forceinline__ int chunk_last(Index i0, Index count) {
+  return count - i0 < MERGE_CHUNK ? static_cast<int>(count - i0) - 1 : MERGE_CHUNK - 1;
+}
+
+// A chunk's LSEs in natural log; slots past `last` are -inf (weight zero).
+__device__ __forceinline__ void natural_chunk_lse(const float (&raw)[MERGE_CHUNK], int last, float to_natural,
+                                                  float (&lse)[MERGE_CHUNK]) {
+#pragma unroll
+  for (int j = 0; j < MERGE_CHUNK; ++j) lse[j] = j <= last ? empty_if_inf(raw[j]) * to_natural : negative_infinity();
+}
+
 // SPLIT: whether the block's z threads share rows (the instantiation without it
-// has no barrier or shared memory at all; blockDim.z is then 1).
-template <typename TIn, typename TOut, int VEC, bool SPLIT>
+// has no barrier or shared memory at all; blockDim.z is then 1). Index: the
+// integer type of element offsets, int when the host found that every offset
+// fits (fewer registers: more threads resident, more loads in flight), else long long.
+template <typename TIn, typename TOut, int VEC, bool SPLIT, typename Index>
 __global__ void merge_many_states(
     TOut* out, float* out_lse, const TIn* v, const float* lse,
     const void* indptr, long long indptr_bytes, long long indptr_stride,
@@ -105,26 +117,26 @@ __global__ void merge_many_states(
   using InPack = Pack<TIn, VEC>;
   using OutPack = Pack<TOut, VEC>;
   // Partials of splits 1.. for split 0 to combine: [splits - 1][rows_y][threads_x].
-  extern __shared__ unsigned char shared_bytes[];
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
   Partial<VEC>* shared_partials = reinterpret_cast<Partial<VEC>*>(shared_bytes);
   const int split = SPLIT ? threadIdx.z : 0, splits = SPLIT ? blockDim.z : 1;
-  const long long num_packs = head_size / VEC;
-  const long long pack_stride_state = v_stride_state / VEC;  // the host checks divisibility
+  const Index num_packs = head_size / VEC;
+  const Index pack_stride_state = v_stride_state / VEC;  // the host checks divisibility
   const float to_natural = lse_to_natural(lse_base_2);
   const float from_natural = lse_from_natural(lse_base_2);
-  const long long token_blocks = (num_tokens + blockDim.y - 1) / blockDim.y;
+  const Index work_items = (num_tokens + blockDim.y - 1) / blockDim.y * num_heads;
   // A thread covers packs x, x + threads_x, ...; with head_size 0 one pass still computes the LSE.
-  const long long passes = num_packs == 0 ? 1 : (num_packs + blockDim.x - 1) / blockDim.x;
+  const Index passes = num_packs == 0 ? 1 : (num_packs + blockDim.x - 1) / blockDim.x;
 
-  for (long long work = blockIdx.x; work < token_blocks * num_heads; work += gridDim.x) {
-    const long long head = block_head(work, num_heads);
-    const long long token = block_token_block(work, num_heads) * blockDim.y + threadIdx.y;
+  for (Index work = blockIdx.x; work < work_items; work += gridDim.x) {
+    const Index head = block_head(work, num_heads);
+    const Index token = block_token_block(work, num_heads) * blockDim.y + threadIdx.y;
     const bool token_valid = token < num_tokens;
 
-    long long first = 0, count = token_valid ? num_states : 0;
+    Index first = 0, count = token_valid ? num_states : 0;
     bool bad_indptr = false;
     if (indptr != nullptr && token_valid) {
-      long long begin, end;
+      long long begin, end;  // checked at full width: a huge offset must not wrap into range
       if (indptr_bytes == 8) {
         begin = static_cast<const long long*>(indptr)[token * indptr_stride];
         end = static_cast<const long long*>(indptr)[(token + 1) * indptr_stride];
@@ -138,24 +150,30 @@ __global__ void merge_many_states(
     }
     const float* row_lse = lse + first * lse_stride_state + head * lse_stride_head + token * lse_stride_token;
     const InPack* column = reinterpret_cast<const InPack*>(v + first * v_stride_state + token * v_stride_token + head * v_stride_head);
+    const Index chunk_step = static_cast<Index>(splits) * MERGE_CHUNK;
 
-    for (long long pass = 0; pass < passes; ++pass) {
-      const long long p = pass * blockDim.x + threadIdx.x;
+    for (Index pass = 0; pass < passes; ++pass) {
+      const Index p = pass * blockDim.x + threadIdx.x;
       const bool has_pack = p < num_packs;
       Partial<VEC> part;
       part.reset();
-      for (long long i0 = split * MERGE_CHUNK; i0 < count; i0 += static_cast<long long>(splits) * MERGE_CHUNK) {
-        const int n = count - i0 < MERGE_CHUNK ? static_cast<int>(count - i0) : MERGE_CHUNK;
-        float chunk_lse[MERGE_CHUNK];
-        InPack chunk_values[MERGE_CHUNK];
+#pragma unroll 1
+      for (Index i0 = split * MERGE_CHUNK; i0 < count; i0 += chunk_step) {
+        // Every load of the chunk is issued before any result is used: no branch
+        // separates them (a short chunk re-reads its last state instead), so the
+        // chunk costs one memory round trip, not one per state.
+        const int last = chunk_last(i0, count);
+        float raw_lse[MERGE_CHUNK];
+        InPack chunk_values[MERGE_CHUNK] = {};
 #pragma unroll
-        for (int j = 0; j < MERGE_CHUNK; ++j) {
-          if (j < n) {
-            chunk_lse[j] = empty_if_inf(row_lse[(i0 + j) * lse_stride_state]) * to_natural;
-            if (has_pack) chunk_values[j] = load_pack(column + (i0 + j) * pack_stride_state + p);
-          }
+        for (int j = 0; j < MERGE_CHUNK; ++j) raw_lse[j] = row_lse[(i0 + min(j, last)) * lse_stride_state];
+        if (has_pack) {
+#pragma unroll
+          for (int j = 0; j < MERGE_CHUNK; ++j) chunk_values[j] = load_pack(column + (i0 + min(j, last)) * pack_stride_state + p);
         }
-        part.template fold<TIn>(chunk_lse, chunk_values, n);
+        float chunk_lse[MERGE_CHUNK];
+        natural_chunk_lse(raw_lse, last, to_natural, chunk_lse);
+        part.template fold<TIn>(chunk_lse, chunk_values);
       }
       if constexpr (SPLIT) {
         // Uniform across the block: every thread reaches both barriers.

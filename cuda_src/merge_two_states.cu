@@ -70,7 +70,9 @@ __device__ __forceinline__ Pack<TOut, VEC> merge_pack(const StateWeights& w,
 // shared memory with cp.async instead of into registers, so a thread keeps
 // 2 * ROWS packs in flight without holding registers for them. Each thread reads
 // back only what it copied itself, so waiting for its own copies is enough.
-template <typename TIn, typename TOut, int VEC, int ROWS, bool ASYNC>
+// Index: the integer type of element offsets, int when the host found that every
+// offset fits (fewer registers and instructions), else long long.
+template <typename TIn, typename TOut, int VEC, int ROWS, bool ASYNC, typename Index>
 __global__ void merge_two_states(
     TOut* out, float* out_lse,
     const TIn* v_a, const float* lse_a,
@@ -86,19 +88,18 @@ __global__ void merge_two_states(
     long long mask_stride, long long lse_base_2, long long out_lse_is_input) {
   using InPack = Pack<TIn, VEC>;
   using OutPack = Pack<TOut, VEC>;
-  const long long num_packs = head_size / VEC;
-  const long long first_pack = threadIdx.x;
+  const Index num_packs = head_size / VEC;
+  const Index first_pack = threadIdx.x;
   const float to_natural = lse_to_natural(lse_base_2);
   const float from_natural = lse_from_natural(lse_base_2);
-  const long long tokens_per_block = static_cast<long long>(blockDim.y) * ROWS;
-  const long long token_blocks = (num_tokens + tokens_per_block - 1) / tokens_per_block;
+  const Index rows_per_block = static_cast<Index>(blockDim.y) * ROWS;
+  const Index work_items = (num_tokens + rows_per_block - 1) / rows_per_block * num_heads;
 
   // Blocks are numbered head-fastest: blocks running together cover neighbouring
   // heads of the same tokens, i.e. contiguous memory (see docs/PERF.md).
-  for (long long work = blockIdx.x; work < token_blocks * num_heads; work += gridDim.x) {
-    const long long head = block_head(work, num_heads);
-    const long long token_block = block_token_block(work, num_heads);
-    long long token[ROWS];
+  for (Index work = blockIdx.x; work < work_items; work += gridDim.x) {
+    const Index head = block_head(work, num_heads);
+    Index token[ROWS];
     bool active[ROWS];
     float s_a[ROWS], s_b[ROWS];
     InPack a[ASYNC ? 1 : ROWS], b[ASYNC ? 1 : ROWS];
@@ -108,7 +109,7 @@ __global__ void merge_two_states(
     const int threads = blockDim.x * blockDim.y;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      token[r] = token_block * tokens_per_block + r * blockDim.y + threadIdx.y;
+      token[r] = block_token_block(work, num_heads) * rows_per_block + r * blockDim.y + threadIdx.y;
       active[r] = token[r] < num_tokens && (mask == nullptr || mask[token[r] * mask_stride] != 0);
       s_a[r] = s_b[r] = 0.0f;
       // The first packs are loaded before the weights are known, so the value and
@@ -120,8 +121,8 @@ __global__ void merge_two_states(
           const InPack* from_a = reinterpret_cast<const InPack*>(v_a + token[r] * a_stride_token + head * a_stride_head) + first_pack;
           const InPack* from_b = reinterpret_cast<const InPack*>(v_b + token[r] * b_stride_token + head * b_stride_head) + first_pack;
           if constexpr (ASYNC) {
-            copy_async_16(staged + (2 * r) * threads + lane, from_a);
-            copy_async_16(staged + (2 * r + 1) * threads + lane, from_b);
+            copy_async_16(shared_address(staged + (2 * r) * threads + lane), from_a);
+            copy_async_16(shared_address(staged + (2 * r + 1) * threads + lane), from_b);
           } else {
             a[r] = load_pack(from_a);
             b[r] = load_pack(from_b);
@@ -165,7 +166,7 @@ __global__ void merge_two_states(
       } else {
         store_pack(row_out + first_pack, merge_pack<TOut>(w[r], a[r], b[r]));
       }
-      for (long long p = first_pack + blockDim.x; p < num_packs; p += blockDim.x) {
+      for (Index p = first_pack + blockDim.x; p < num_packs; p += blockDim.x) {
         store_pack(row_out + p, merge_pack<TOut>(w[r], load_pack(row_a + p), load_pack(row_b + p)));
       }
     }

@@ -109,14 +109,19 @@ __device__ __forceinline__ float empty_if_inf(float lse) {
   return lse == positive_infinity() ? negative_infinity() : lse;
 }
 
+// Shared memory is addressed with 32-bit offsets in the shared window (cheaper
+// than generic 64-bit pointers, and it keeps registers free).
+__device__ __forceinline__ unsigned shared_address(const void* shared_pointer) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(shared_pointer));
+}
+
 // Asynchronous 16-byte copy from global to shared memory (sm_80+), bypassing L1.
-__device__ __forceinline__ void copy_async_16(void* shared_destination, const void* global_source) {
+__device__ __forceinline__ void copy_async_16(unsigned shared_destination, const void* global_source) {
 #if __CUDA_ARCH__ >= 800
-  unsigned address;
-  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(shared_destination));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global_source) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_destination), "l"(global_source) : "memory");
 #else
-  *reinterpret_cast<Bytes16*>(shared_destination) = *reinterpret_cast<const Bytes16*>(global_source);
+  asm volatile("{ .reg .b32 x, y, z, w; ld.global.v4.b32 {x, y, z, w}, [%1]; st.shared.v4.b32 [%0], {x, y, z, w}; }"
+               ::"r"(shared_destination), "l"(global_source) : "memory");
 #endif
 }
 

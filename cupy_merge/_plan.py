@@ -31,6 +31,13 @@ ASYNC_LOADS = True
 ASYNC_MIN_TRAFFIC_BYTES = 200_000_000
 ASYNC_ROWS_PER_THREAD = 4
 ASYNC_ROWS_INSTANTIATED = (2, 4, 8)
+#: Offset types instantiated; ``index_type`` picks one per call. The staged
+#: two-way kernels (200 MB and up) measured 1-2 points faster with 64-bit offsets
+#: and exist only in that width (docs/PERF.md).
+INDEX_TYPES = ("int", "long long")
+STAGED_INDEX = "long long"
+INDEX_32 = True
+INDEX_32_LIMIT = 2**30
 #: Work items beyond this many blocks are looped over inside the kernel.
 MAX_GRID_X = 2**31 - 1
 
@@ -87,19 +94,23 @@ def module_kernel_names(source: str, in_dtype: str, out_dtype: str) -> list[str]
     """Every kernel instantiation compiled together in one module."""
     widths = vector_widths(in_dtype, out_dtype)
     if source == TWO_STATES_SOURCE:
+        full_pack = 16 // ITEMSIZES[in_dtype]
         direct = [
-            two_state_kernel_name(in_dtype, out_dtype, vec, rows)
+            two_state_kernel_name(in_dtype, out_dtype, vec, rows, False, index)
             for vec in widths
             for rows in ROWS_INSTANTIATED
+            for index in INDEX_TYPES
         ]
-        full_pack = 16 // ITEMSIZES[in_dtype]
         staged = [
-            two_state_kernel_name(in_dtype, out_dtype, full_pack, rows, True)
+            two_state_kernel_name(in_dtype, out_dtype, full_pack, rows, True, STAGED_INDEX)
             for rows in ASYNC_ROWS_INSTANTIATED
         ]
         return direct + (staged if full_pack in widths else [])
     return [
-        many_state_kernel_name(in_dtype, out_dtype, vec, split) for vec in widths for split in (False, True)
+        many_state_kernel_name(in_dtype, out_dtype, vec, split, index)
+        for vec in widths
+        for split in (False, True)
+        for index in INDEX_TYPES
     ]
 
 
@@ -115,16 +126,41 @@ def all_modules() -> list[tuple[str, str, str]]:
 ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def two_state_kernel_name(in_dtype: str, out_dtype: str, vec: int, rows: int, staged: bool = False) -> str:
+def two_state_kernel_name(
+    in_dtype: str, out_dtype: str, vec: int, rows: int, staged: bool = False, index: str = "long long"
+) -> str:
     ctypes = f"{VALUE_CTYPES[in_dtype]}, {VALUE_CTYPES[out_dtype]}"
-    return f"cupy_merge::merge_two_states<{ctypes}, {vec}, {rows}, {'true' if staged else 'false'}>"
+    return f"cupy_merge::merge_two_states<{ctypes}, {vec}, {rows}, {str(staged).lower()}, {index}>"
 
 
-def many_state_kernel_name(in_dtype: str, out_dtype: str, vec: int, split: bool = False) -> str:
-    return (
-        f"cupy_merge::merge_many_states<{VALUE_CTYPES[in_dtype]}, {VALUE_CTYPES[out_dtype]}, {vec}, "
-        f"{'true' if split else 'false'}>"
-    )
+def many_state_kernel_name(
+    in_dtype: str, out_dtype: str, vec: int, split: bool = False, index: str = "long long"
+) -> str:
+    ctypes = f"{VALUE_CTYPES[in_dtype]}, {VALUE_CTYPES[out_dtype]}"
+    return f"cupy_merge::merge_many_states<{ctypes}, {vec}, {str(split).lower()}, {index}>"
+
+
+def kernel_template_arguments(kernel: str) -> list[str]:
+    """``"ns::f<A, B, 8>"`` -> ``["A", "B", "8"]``: a planned kernel's template arguments."""
+    return kernel[kernel.index("<") + 1 : -1].split(", ")
+
+
+def index_type(views: list[ArrayView | None], rows: int) -> str:
+    """The kernels' integer type for element offsets: 32-bit when every offset fits.
+
+    32-bit offsets take fewer registers and instructions (the N-way kernel gained
+    up to 12 points of copy speed, docs/PERF.md). The bound, 2**30 rather than
+    2**31, leaves room for the sums a grid-stride loop forms past the last item.
+    ``rows`` (tokens x heads) is bounded too: with head_size 0 no array spans it.
+    """
+    if not INDEX_32 or rows >= INDEX_32_LIMIT:
+        return "long long"
+    for view in views:
+        if view is not None and view.shape and min(view.shape) > 0:
+            extent = sum((n - 1) * abs(stride) for n, stride in zip(view.shape, view.strides))
+            if extent >= INDEX_32_LIMIT:
+                return "long long"
+    return "int"
 
 
 def check_two_states(
@@ -213,7 +249,12 @@ def plan_merge_two(
         *lse_out.strides, *s_a.strides, *s_b.strides,
         mask_view.strides[0], options.lse_base_2, lse_is_input,
     )  # fmt: skip
-    kernel = two_state_kernel_name(state.dtype, out.dtype, vec, rows, staged)
+    index = (
+        STAGED_INDEX
+        if staged
+        else index_type([out, out_lse, v_a, s_a, v_b, s_b, mask], num_tokens * num_heads)
+    )
+    kernel = two_state_kernel_name(state.dtype, out.dtype, vec, rows, staged, index)
     block = (threads_x, rows_y, 1)
     return LaunchPlan((TWO_STATES_SOURCE, state.dtype, out.dtype), kernel, grid, block, args, shared_bytes)
 

@@ -18,6 +18,7 @@ from ._plan import (
     check_outputs,
     choose_block,
     choose_vector_width,
+    index_type,
     many_state_kernel_name,
     plan_merge_two,
     vector_widths,
@@ -154,7 +155,8 @@ def plan_many(
         num_states, num_tokens, num_heads, head_size,
         *out.strides[:2], *v_strides, *lse_out.strides, *s_strides, lse_base_2,
     )  # fmt: skip
-    kernel = many_state_kernel_name(state.dtype, out.dtype, vec, splits > 1)
+    index_kind = index_type([out, out_lse, v, s, indptr], num_tokens * num_heads)
+    kernel = many_state_kernel_name(state.dtype, out.dtype, vec, splits > 1, index_kind)
     block = (threads_x, rows_y, splits)
     return LaunchPlan((MANY_STATES_SOURCE, state.dtype, out.dtype), kernel, grid, block, args, shared_bytes)
 

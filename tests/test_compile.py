@@ -17,18 +17,23 @@ def test_every_kernel_instantiation_compiles_with_nvrtc(arch):
 
 def test_each_dtype_pair_vector_width_and_row_count_is_instantiated():
     names = {name for module in _plan.all_modules() for name in _plan.module_kernel_names(*module)}
-    assert "cupy_merge::merge_two_states<float, float, 4, 1, false>" in names
+    assert "cupy_merge::merge_two_states<float, float, 4, 1, false, int>" in names
     assert (
-        "cupy_merge::merge_two_states<cupy_merge::bfloat16_t, cupy_merge::bfloat16_t, 8, 2, false>" in names
+        "cupy_merge::merge_two_states<cupy_merge::bfloat16_t, cupy_merge::bfloat16_t, 8, 2, false, long long>"
+        in names
     )
-    assert "cupy_merge::merge_two_states<cupy_merge::bfloat16_t, cupy_merge::bfloat16_t, 8, 8, true>" in names
-    assert "cupy_merge::merge_two_states<float, cupy_merge::bfloat16_t, 8, 4, false>" in names
-    assert "cupy_merge::merge_two_states<float, cupy_merge::bfloat16_t, 4, 4, true>" in names
-    assert "cupy_merge::merge_many_states<float, cupy_merge::half_t, 8, true>" in names
-    assert "cupy_merge::merge_many_states<float, float, 1, false>" in names
-    # Two-way: 8 dtype pairs x 4 widths x 3 row counts + float32 x 3 x 3, and 3 staged row counts
-    # of 16-byte packs for each of the 9 pairs; N-way: (8 x 4 + 3) x split or not.
-    assert len(names) == 8 * 4 * 3 + 3 * 3 + 9 * 3 + (8 * 4 + 3) * 2
+    assert (
+        "cupy_merge::merge_two_states<cupy_merge::bfloat16_t, cupy_merge::bfloat16_t, 8, 8, true, long long>"
+        in names
+    )
+    assert "cupy_merge::merge_two_states<float, cupy_merge::bfloat16_t, 8, 4, false, int>" in names
+    assert "cupy_merge::merge_two_states<float, cupy_merge::bfloat16_t, 4, 4, true, long long>" in names
+    assert "cupy_merge::merge_many_states<float, cupy_merge::half_t, 8, true, int>" in names
+    assert "cupy_merge::merge_many_states<float, float, 1, false, long long>" in names
+    # Two-way: 8 dtype pairs x 4 widths x 3 row counts + float32 x 3 x 3, each in 32- and
+    # 64-bit offsets, and 3 staged row counts of 16-byte packs for each of the 9 pairs (64-bit);
+    # N-way: (8 x 4 + 3) widths x split or not, in 32- and 64-bit offsets.
+    assert len(names) == 2 * (8 * 4 * 3 + 3 * 3) + 9 * 3 + 2 * (8 * 4 + 3) * 2
 
 
 def test_shipped_source_includes_no_cuda_header():

@@ -52,7 +52,9 @@ def test_a_valid_call_plans_a_launch():
     assert plan is not None and plan.kernel.startswith(
         "cupy_merge::merge_two_states<cupy_merge::half_t, cupy_merge::half_t, 8,"
     )
-    assert plan.kernel.endswith("false>") and plan.shared_bytes == 0  # small: direct loads
+    staged, index = _plan.kernel_template_arguments(plan.kernel)[4:]
+    assert staged == "false" and plan.shared_bytes == 0  # small: direct loads
+    assert index == "int"  # every offset fits in 32 bits
 
 
 @pytest.mark.parametrize("tokens, staged", [(4096, False), (32768, True)])
@@ -61,8 +63,9 @@ def test_large_merges_stage_their_first_packs_through_shared_memory(tokens, stag
     lse = Spec((32, tokens), "float32")
     specs = {"out": values, "out_lse": lse, "v_a": values, "s_a": lse, "v_b": values, "s_b": lse}
     plan = _plan_from_views(_views(specs))
-    rows = int(plan.kernel.split(",")[-2])
-    assert plan.kernel.endswith("true>" if staged else "false>")
+    arguments = _plan.kernel_template_arguments(plan.kernel)
+    rows = int(arguments[3])
+    assert arguments[4:] == (["true", "long long"] if staged else ["false", "int"])
     # Staged: 2 states x rows x threads x 16 bytes of shared memory.
     assert plan.shared_bytes == (2 * rows * plan.block[0] * plan.block[1] * 16 if staged else 0)
 
@@ -141,7 +144,9 @@ def test_kernel_arguments_use_64_bit_strides_for_huge_tensors():
         "s_b": lse._replace(ptr=1 << 45),
     }
     plan = _plan_from_views(views)
-    rows_per_thread = int(plan.kernel.split(",")[-2])
+    arguments = _plan.kernel_template_arguments(plan.kernel)
+    assert arguments[5] == "long long"  # offsets past 2^31 need 64-bit arithmetic
+    rows_per_thread = int(arguments[3])
     token_blocks = -(-tokens // (plan.block[1] * rows_per_thread))
     assert plan.grid == (token_blocks * heads, 1, 1)  # one block per work item, below 2^31
     assert math.prod(plan.grid) < 2**31
@@ -153,3 +158,26 @@ def test_block_covers_every_row_within_hardware_limits(head_size, tokens):
     threads_x, rows = _plan.choose_block(head_size, tokens)
     assert 1 <= threads_x * rows <= 1024
     assert rows <= tokens
+
+
+def _view(shape, strides, dtype="bfloat16"):
+    return ArrayView(1 << 32, shape, strides, dtype, 2, 0)
+
+
+def test_offsets_are_32_bit_only_while_every_array_fits():
+    small = _view((4096, 32, 128), (4096, 128, 1))
+    assert _plan.index_type([small, None], 4096 * 32) == "int"
+    # 2^30 elements reachable through a stride (a strided view of a large buffer), negative or not.
+    far = _view((2, 32, 128), (2**30, 128, 1))
+    assert _plan.index_type([small, far], 2 * 32) == "long long"
+    assert _plan.index_type([small, far._replace(strides=(-(2**30), 128, 1))], 2 * 32) == "long long"
+    # head_size 0: no array spans tokens x heads, which the kernels still loop over.
+    assert _plan.index_type([_view((2**26, 32, 0), (0, 0, 1))], 2**26 * 32) == "long long"
+    # An empty array has no offsets at all.
+    assert _plan.index_type([_view((0, 32, 128), (2**31, 128, 1))], 0) == "int"
+
+
+def test_the_32_bit_switch_turns_every_plan_64_bit(monkeypatch):
+    monkeypatch.setattr(_plan, "INDEX_32", False)
+    plan = _plan_from_views(_views(VALID))
+    assert _plan.kernel_template_arguments(plan.kernel)[5] == "long long"
