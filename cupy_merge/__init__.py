@@ -4,18 +4,23 @@
 >>> v, s = cm.merge_state(v_a, s_a, v_b, s_b)          # doctest: +SKIP
 >>> cm.merge_attn_states(out, v_a, s_a, v_b, s_b, out_lse)  # doctest: +SKIP
 >>> v, s = cm.merge_states(v_splits, s_splits)               # doctest: +SKIP
+>>> merge = cm.bind(cm.merge_attn_states, out, v_a, s_a, v_b, s_b)  # doctest: +SKIP
+>>> merge()  # relaunch on the same arrays: the cheapest call   # doctest: +SKIP
 """
 
 from . import distributed, reference
 from ._kernels import KernelCompileError
+from .bound import BoundMerge, bind
 from .merge import merge_attn_states, merge_state, merge_state_in_place
 from .merge_many import merge_states, merge_states_varlen
 
 __version__ = "0.2.0"
 
 __all__ = [
+    "BoundMerge",
     "KernelCompileError",
     "__version__",
+    "bind",
     "distributed",
     "merge_attn_states",
     "merge_state",

@@ -126,9 +126,7 @@ def stream_pointer(stream: Any, kind: str, device: int) -> int:
     ``__cuda_stream__`` (CUDA Python protocol), or a raw pointer as ``int``.
     """
     if stream is None:
-        if kind == "torch":
-            return _torch_current_stream(device)
-        return cupy.cuda.get_current_stream(device).ptr
+        return current_stream_getter(kind)(device)
     if isinstance(stream, int):
         return stream
     for attribute in ("ptr", "cuda_stream"):
@@ -144,6 +142,17 @@ def stream_pointer(stream: Any, kind: str, device: int) -> int:
     )
 
 
+def current_stream_getter(kind: str):
+    """``device -> cudaStream_t`` of the current stream, as ``stream_pointer(None, kind, device)``."""
+    if kind == "torch":
+        return _torch_current_stream
+    return _cupy_current_stream
+
+
+def _cupy_current_stream(device: int) -> int:
+    return cupy.cuda.get_current_stream(device).ptr
+
+
 def _torch_current_stream(device: int) -> int:
     torch = _torch()
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -157,13 +166,22 @@ def empty_values(
     like: Any, kind: str, shape: tuple[int, ...], dtype: str, device: int
 ) -> tuple[Any, ArrayView]:
     """A new C-contiguous value array of dtype name ``dtype`` on ``device``, in the caller's kind."""
+    out = empty(like, kind, shape, dtype, device)
+    return out, _describe_torch(out, "out") if kind == "torch" else _describe_cupy(out)
+
+
+def empty(like: Any, kind: str, shape: tuple[int, ...], dtype: str, device: int) -> Any:
+    """A new C-contiguous array on ``device``: a torch tensor for torch callers, else CuPy."""
     if kind == "torch":
         torch = _torch()
-        out = torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
-        return out, _describe_torch(out, "out")
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
     with cupy.cuda.Device(device):
-        out = cupy.empty(shape, dtype=cupy_dtype(dtype))
-    return out, _describe_cupy(out)
+        return cupy.empty(shape, dtype=cupy_dtype(dtype))
+
+
+def data_pointer(array: Any) -> int:
+    """The device address of an array made by :func:`empty`."""
+    return array.data_ptr() if hasattr(array, "data_ptr") else array.data.ptr
 
 
 def cupy_dtype(name: str) -> Any:
@@ -182,13 +200,8 @@ def cupy_dtype(name: str) -> Any:
 
 def empty_lse(original: Any, kind: str, shape: tuple[int, int], device: int) -> tuple[Any, ArrayView]:
     """A new C-contiguous float32 LSE array ``[num_heads, num_tokens]`` in the caller's kind."""
-    if kind == "torch":
-        torch = _torch()
-        out = torch.empty(shape, dtype=torch.float32, device=original.device)
-        return out, _describe_torch(out, "out_lse")
-    with cupy.cuda.Device(device):
-        out = cupy.empty(shape, dtype=numpy.float32)
-    return out, _describe_cupy(out)
+    out = empty(original, kind, shape, "float32", device)
+    return out, _describe_torch(out, "out_lse") if kind == "torch" else _describe_cupy(out)
 
 
 def to_numpy(array: Any) -> numpy.ndarray:

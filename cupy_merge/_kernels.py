@@ -102,6 +102,10 @@ class PreparedLaunch(NamedTuple):
     buffers: tuple  # keeps the argument memory alive
 
 
+# Byte offsets of the int64 kernel arguments in their buffer (no kernel has more than 64).
+_ARGUMENT_OFFSETS = 8 * numpy.arange(64, dtype=numpy.uint64)
+
+
 _prepared: dict[tuple[LaunchPlan, int], PreparedLaunch] = {}
 
 
@@ -112,7 +116,7 @@ def prepare(plan: LaunchPlan, device: int) -> PreparedLaunch:
     if prepared is None:
         function = get_function(plan.module, plan.kernel, device)
         values = numpy.array(plan.args, dtype=numpy.int64)
-        pointers = values.__array_interface__["data"][0] + 8 * numpy.arange(len(values), dtype=numpy.uint64)
+        pointers = values.__array_interface__["data"][0] + _ARGUMENT_OFFSETS[: len(values)]
         prepared = PreparedLaunch(
             function.ptr,
             plan.grid,
@@ -126,6 +130,16 @@ def prepare(plan: LaunchPlan, device: int) -> PreparedLaunch:
             _prepared.clear()
         _prepared[key] = prepared
     return prepared
+
+
+def with_pointers(prepared: PreparedLaunch, patches: list[tuple[int, int]]) -> PreparedLaunch:
+    """``prepared`` with the arguments at the given indices replaced by new pointers."""
+    values = prepared.buffers[0].copy()
+    for index, pointer in patches:
+        values[index] = pointer
+    pointers = values.__array_interface__["data"][0] + _ARGUMENT_OFFSETS[: len(values)]
+    params = pointers.__array_interface__["data"][0]
+    return prepared._replace(params=params, buffers=(values, pointers, prepared.buffers[2]))
 
 
 def launch_prepared(prepared: PreparedLaunch, stream: int) -> None:

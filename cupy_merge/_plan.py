@@ -259,6 +259,10 @@ def plan_merge_two(
     return LaunchPlan((TWO_STATES_SOURCE, state.dtype, out.dtype), kernel, grid, block, args, shared_bytes)
 
 
+#: Where every plan puts the output pointers in its kernel arguments (both kernels
+#: take ``out, out_lse`` first), so a repeated allocating call can swap in fresh ones.
+OUT_ARGUMENT, OUT_LSE_ARGUMENT = 0, 1
+
 #: Stands in for an optional array that was not given (a null pointer, strides 0).
 NO_ARRAY = ArrayView(0, (0, 0), (0, 0), "float32", 4, 0)
 

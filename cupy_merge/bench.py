@@ -9,7 +9,8 @@ For each case (bfloat16 unless named) it measures, in one run:
 * ``graph_us``: the merge replayed from a CUDA graph (torch), which removes host cost;
 * host overhead per call, without synchronisation, for CuPy arrays and torch tensors
   (batches of 256 calls, fewer than the launch queue holds, so the GPU never throttles
-  the host; the median batch);
+  the host; the median batch): ``host_*_us`` calls ``merge_attn_states`` each time,
+  ``bound_*_us`` relaunches a merge bound once with ``cupy_merge.bind``;
 
 and then, for N-way and ragged merges, ``merge_states`` against the same-bytes copy,
 chained two-way merges and eager torch.
@@ -29,7 +30,7 @@ import time
 import cupy
 import numpy
 
-from . import merge_attn_states, merge_states, merge_states_varlen
+from . import bind, merge_attn_states, merge_states, merge_states_varlen
 from ._timing import median_ms
 
 DEFAULT_CASES = [
@@ -152,10 +153,20 @@ def run_case(tokens, heads, head_size, dtype, torch, compile_torch=True) -> dict
         if compile_torch and _compiled.get("merge", True) is not None:
             row["compiled_us"] = _torch_compiled_us(torch, out, v_a, s_a, v_b, s_b)
         row["graph_us"] = _graph_us(torch, merge)
-        row["host_torch_us"] = _host_us_per_call(merge) if tokens <= 64 else float("nan")
+        if tokens <= 64:
+            row["host_torch_us"] = _host_us_per_call(merge)
+            row["bound_torch_us"] = _host_us_per_call(
+                bind(merge_attn_states, out, v_a, s_a, v_b, s_b, out_lse)
+            )
     if tokens <= 64:
         arrays = [cupy.from_dlpack(x) for x in (out, v_a, s_a, v_b, s_b, out_lse)] if torch else None
         row["host_cupy_us"] = _host_us_per_call(lambda: merge_attn_states(*arrays) if arrays else merge())
+        bound = (
+            bind(merge_attn_states, *arrays)
+            if arrays
+            else bind(merge_attn_states, out, v_a, s_a, v_b, s_b, out_lse)
+        )
+        row["bound_cupy_us"] = _host_us_per_call(bound)
     return row
 
 
@@ -163,6 +174,7 @@ COLUMNS = [
     ("tokens", "{:>6}"), ("heads", "{:>5}"), ("head_size", "{:>4}"), ("dtype", "{:<8}"), ("mbytes", "{:>8.1f}"),
     ("merge_us", "{:>9.1f}"), ("copy_us", "{:>9.1f}"), ("pct_of_copy", "{:>6.1f}"), ("merge_gbps", "{:>6.0f}"),
     ("torch_us", "{:>9.1f}"), ("compiled_us", "{:>11.1f}"), ("graph_us", "{:>9.1f}"), ("host_cupy_us", "{:>7.1f}"), ("host_torch_us", "{:>7.1f}"),
+    ("bound_cupy_us", "{:>7.1f}"), ("bound_torch_us", "{:>7.1f}"),
 ]  # fmt: skip
 
 
@@ -248,19 +260,15 @@ MANY_COLUMNS = [
 
 
 def format_table(rows: list[dict], columns=None) -> str:
+    """Right-aligned columns, each as wide as its name or its widest cell."""
     columns = columns or COLUMNS
-    header = " ".join(
-        f"{name:>{len(fmt.format(0) if 'f' in fmt else fmt.format('x'))}}" for name, fmt in columns
-    )
-    lines = [header]
+    table = [[name for name, _ in columns]]
     for row in rows:
-        cells = []
-        for name, fmt in columns:
-            value = row.get(name)
-            width = len(fmt.format(0) if "f" in fmt else fmt.format("x"))
-            cells.append(fmt.format(value) if value is not None else f"{'-':>{width}}")
-        lines.append(" ".join(cells))
-    return "\n".join(lines)
+        table.append([fmt.format(row[name]) if row.get(name) is not None else "-" for name, fmt in columns])
+    widths = [max(len(line[i].strip()) for line in table) for i in range(len(columns))]
+    return "\n".join(
+        " ".join(f"{cell.strip():>{width}}" for cell, width in zip(line, widths)) for line in table
+    )
 
 
 def _write(rows: list[dict], path: str) -> None:

@@ -21,7 +21,6 @@ _MERGE_ATTN_STATES_NAMES = _plan.TwoStateNames(
 )
 _MERGE_STATE_NAMES = _plan.TwoStateNames("out", "out_lse", "v_a", "s_a", "v_b", "s_b")
 _IN_PLACE_NAMES = _plan.TwoStateNames("v", "s", "v", "s", "v_other", "s_other", "mask")
-_UNSET = object()  # stands for None inside fingerprints, where None means "not cacheable"
 fingerprint = _dispatch.fingerprint
 
 
@@ -72,7 +71,7 @@ def merge_attn_states(
     key = (
         "merge_attn_states", fingerprint(output), fingerprint(prefix_output), fingerprint(prefix_lse), fingerprint(suffix_output),
         fingerprint(suffix_lse), fingerprint(output_lse),
-        _UNSET if prefill_tokens_with_context is None else prefill_tokens_with_context, lse_base,
+        _dispatch.UNSET if prefill_tokens_with_context is None else prefill_tokens_with_context, lse_base,
     )  # fmt: skip
     call = _dispatch.lookup(key)
     if call is None:
@@ -136,17 +135,29 @@ def merge_state(
     >>> v.shape, s.shape
     (torch.Size([16, 32, 128]), torch.Size([32, 16]))
     """
+    key = (
+        "merge_state", fingerprint(v_a), fingerprint(s_a), fingerprint(v_b), fingerprint(s_b), fingerprint(out),
+        fingerprint(out_lse), _dispatch.UNSET if out_dtype is None else out_dtype, lse_base,
+    )  # fmt: skip
+    call = _dispatch.lookup(key)
+    if call is not None:
+        out, out_lse = _dispatch.run_with_fresh_outputs(call, v_a, out, out_lse, stream)
+        return _arrays.to_caller_kind(out, call.kind), _arrays.to_caller_kind(out_lse, call.kind)
     names = _MERGE_STATE_NAMES
     kind = _arrays.array_kind(v_a)
     options = _plan.TwoStateOptions(_conventions.lse_base_flag(lse_base))
     inputs = _describe_inputs(v_a, s_a, v_b, s_b, names)
     # Inputs are checked before anything is allocated for them.
     state = _plan.check_two_states(*inputs, names)
+    new_out, new_lse = out is None, out_lse is None
     out, out_view, out_lse, lse_view = allocate_outputs(
         v_a, kind, state, out, out_lse, out_dtype, names.out, names.out_lse
     )
     plan = _plan.plan_two_way(out_view, lse_view, *inputs, names, None, options)
-    _dispatch.run(_dispatch.prepare_call(plan, kind, state.device), stream)
+    fresh = _dispatch.fresh_outputs(new_out, new_lse, state, out_view.dtype)
+    call = _dispatch.prepare_call(plan, kind, state.device)._replace(fresh=fresh)
+    _dispatch.run(call, stream)
+    _dispatch.remember(key, call)  # repeats allocate what this call allocated
     return _arrays.to_caller_kind(out, kind), _arrays.to_caller_kind(out_lse, kind)
 
 

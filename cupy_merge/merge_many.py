@@ -101,29 +101,30 @@ def merge_states_varlen(
 
 
 def _merge(v, s, indptr, out, out_lse, lse_base, out_dtype, stream, check_indptr=False):
-    # The fast path needs caller-owned outputs, and no host check of indptr (which reads its values).
-    if out is not None and out_lse is not None and out_dtype is None and not check_indptr:
+    # A host check of indptr reads its values, so those calls always take the full path.
+    key = None
+    if not check_indptr:
         key = (
             "merge_states",  # dense and ragged differ by the indptr fingerprint, () when dense
-            fingerprint(out),
-            fingerprint(out_lse),
-            fingerprint(v),
-            fingerprint(s),
-            fingerprint(indptr),
-            lse_base,
-        )
+            fingerprint(out), fingerprint(out_lse), fingerprint(v), fingerprint(s), fingerprint(indptr),
+            _dispatch.UNSET if out_dtype is None else out_dtype, lse_base,
+        )  # fmt: skip
         call = _dispatch.lookup(key)
-        if call is None:
-            call = _plan_call(v, s, indptr, out, out_lse, lse_base, out_dtype, False)[2]
-            _dispatch.remember(key, call)
-    else:
-        out, out_lse, call = _plan_call(v, s, indptr, out, out_lse, lse_base, out_dtype, check_indptr)
+        if call is not None:
+            out, out_lse = _dispatch.run_with_fresh_outputs(call, v, out, out_lse, stream)
+            return _arrays.to_caller_kind(out, call.kind), _arrays.to_caller_kind(out_lse, call.kind)
+    out, out_lse, call = _plan_call(v, s, indptr, out, out_lse, lse_base, out_dtype, check_indptr)
     _dispatch.run(call, stream)
+    if key is not None:
+        _dispatch.remember(key, call)
     return _arrays.to_caller_kind(out, call.kind), _arrays.to_caller_kind(out_lse, call.kind)
 
 
 def _plan_call(v, s, indptr, out, out_lse, lse_base, out_dtype, check_indptr):
-    """The full path: describe and check every input before anything is allocated, then plan."""
+    """The full path: describe and check every input before anything is allocated, then plan.
+
+    The call it returns records which outputs it allocated, for repeats to allocate again.
+    """
     lse_base_2 = _conventions.lse_base_flag(lse_base)
     kind = _arrays.array_kind(v)
     v_view, s_view = _arrays.describe(v, _NAMES.v), _arrays.describe(s, _NAMES.s)
@@ -135,8 +136,10 @@ def _plan_call(v, s, indptr, out, out_lse, lse_base, out_dtype, check_indptr):
         state, total_states = _plan_many.check_varlen_states(v_view, s_view, indptr_view)
         if check_indptr:
             _plan_many.check_indptr_values(_arrays.to_numpy(indptr), total_states, _NAMES.indptr)
+    new_out, new_lse = out is None, out_lse is None
     out, out_view, out_lse, lse_view = allocate_outputs(
         v, kind, state, out, out_lse, out_dtype, _NAMES.out, _NAMES.out_lse
     )
     plan = _plan_many.plan_many(out_view, lse_view, v_view, s_view, indptr_view, lse_base_2)
-    return out, out_lse, _dispatch.prepare_call(plan, kind, state.device)
+    fresh = _dispatch.fresh_outputs(new_out, new_lse, state, out_view.dtype)
+    return out, out_lse, _dispatch.prepare_call(plan, kind, state.device)._replace(fresh=fresh)

@@ -59,3 +59,22 @@ def test_calls_of_different_functions_never_share_a_cached_launch(monkeypatch):
     with pytest.raises(TypeError):
         cm.merge_states_varlen(v_other, s_other, mask, out=v, out_lse=s, check_indptr=False)
     assert len(keys) == 2 and keys[0] != keys[1]
+
+
+def test_fresh_output_pointers_are_patched_into_a_copy_of_the_arguments():
+    import ctypes
+
+    import numpy as np
+
+    from cupy_merge import _kernels
+
+    values = np.array([11, 22, 33], dtype=np.int64)
+    pointers = values.__array_interface__["data"][0] + _kernels._ARGUMENT_OFFSETS[:3]
+    prepared = _kernels.PreparedLaunch(7, (1, 1, 1), (32, 1, 1), pointers.__array_interface__["data"][0], 0, 0,
+                                       (values, pointers, None))  # fmt: skip
+    patched = _kernels.with_pointers(prepared, [(0, 1000), (1, 2000)])
+    # cuLaunchKernel reads params as void*[]: each entry points at one int64 argument.
+    table = (ctypes.c_uint64 * 3).from_address(patched.params)
+    assert [ctypes.c_int64.from_address(address).value for address in table] == [1000, 2000, 33]
+    assert values.tolist() == [11, 22, 33]  # the cached launch is untouched
+    assert patched.function == 7 and patched.grid == prepared.grid

@@ -302,6 +302,35 @@ def test_repeated_calls_see_new_data_and_new_buffers(rng):
         cm.merge_states(v, s, out=out[:8], out_lse=out_lse)
 
 
+@pytest.mark.parametrize("backend", ["cupy", "torch"])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_repeated_allocating_calls_get_fresh_outputs_each_time(rng, backend, ragged):
+    # The second call on the same inputs replays the first one's launch with new output
+    # pointers: each result must be its own, correct, and untouched by the later calls.
+    if backend == "torch":
+        pytest.importorskip("torch")
+    if ragged:
+        v = to_device(rng.standard_normal((9, 8, 64)), "float16", backend)
+        s = to_device(_lse(rng, 8, 9), "float32", backend)
+        indptr = to_device(np.array([0, 2, 2, 5, 9]), "int32", backend)
+        merge = lambda: cm.merge_states_varlen(v, s, indptr, check_indptr=False)
+        want = lambda: reference.merge_states_varlen(to_host(v), to_host(s), to_host(indptr).astype(int))
+    else:
+        v = to_device(rng.standard_normal((5, 16, 8, 64)), "float16", backend)
+        s = to_device(_lse(rng, 5, 8, 16), "float32", backend)
+        merge = lambda: cm.merge_states(v, s)
+        want = lambda: reference.merge_states(to_host(v), to_host(s))
+    results = []
+    for _ in range(3):
+        v[...] = to_device(rng.standard_normal(tuple(v.shape)), "float16", backend)
+        results.append((merge(), want()))
+    pointers = set()
+    for (got_v, got_s), (want_v, want_s) in results:
+        _expect(got_v, got_s, want_v, want_s, "float16")
+        pointers.add(got_v.data_ptr() if backend == "torch" else got_v.data.ptr)
+    assert len(pointers) == 3
+
+
 def _bad_calls(cupy):
     v = cupy.ones((3, 8, 4, 64), dtype=np.float16)
     s = cupy.zeros((3, 4, 8), dtype=np.float32)

@@ -204,3 +204,31 @@ def test_tensors_over_two_to_the_31_elements(rng):
     )
     assert relative_error(to_host(out[rows]), want) <= TOLERANCE["float16"]
     assert not bool(cupy.isnan(out).any())
+
+
+@pytest.mark.parametrize("given", [None, "out", "out_lse"])
+def test_repeated_allocating_calls_get_fresh_outputs_each_time(rng, given):
+    # Repeats replay the first call's launch with new output pointers: every allocated
+    # result is its own and keeps its values while later calls run on new data.
+    import cupy
+
+    tokens, heads, head_size = 19, 4, 64
+    buffers = {
+        "out": cupy.empty((tokens, heads, head_size), np.float16),
+        "out_lse": cupy.empty((heads, tokens), np.float32),
+    }
+    results = []
+    for _ in range(3):
+        states = _random_states(rng, tokens, heads, head_size, "float16", "cupy")
+        v, s = cm.merge_state(*states, **({given: buffers[given]} if given else {}))
+        want = reference.merge_state(*(to_host(x) for x in states))
+        results.append((v, s, v.copy(), s.copy(), *want))
+    for v, s, v_then, s_then, want_v, want_s in results:
+        assert relative_error(to_host(v_then), want_v) <= TOLERANCE["float16"]
+        assert relative_error(to_host(s_then), want_s) <= 1e-6
+        if given != "out":
+            assert relative_error(to_host(v), want_v) <= TOLERANCE["float16"]  # not overwritten since
+        if given != "out_lse":
+            assert relative_error(to_host(s), want_s) <= 1e-6
+    allocated = [r[0] for r in results] if given != "out" else [r[1] for r in results]
+    assert len({x.data.ptr for x in allocated}) == 3

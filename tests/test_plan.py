@@ -181,3 +181,10 @@ def test_the_32_bit_switch_turns_every_plan_64_bit(monkeypatch):
     monkeypatch.setattr(_plan, "INDEX_32", False)
     plan = _plan_from_views(_views(VALID))
     assert _plan.kernel_template_arguments(plan.kernel)[5] == "long long"
+
+
+def test_plans_put_the_output_pointers_where_fresh_outputs_are_patched_in():
+    plan = _plan_from_views(_views(VALID))
+    views = _views(VALID)
+    assert plan.args[_plan.OUT_ARGUMENT] == views["out"].ptr
+    assert plan.args[_plan.OUT_LSE_ARGUMENT] == views["out_lse"].ptr

@@ -187,3 +187,14 @@ def test_few_rows_split_their_states_over_more_threads(states, tokens, expected)
     assert _plan_module.kernel_template_arguments(plan.kernel)[3] == ("true" if splits > 1 else "false")
     assert threads_x * rows_y * splits <= _plan_many.MAX_BLOCK_THREADS
     assert plan.shared_bytes == (splits - 1) * threads_x * rows_y * (8 + 3) * 4
+
+
+@pytest.mark.parametrize("states", [2, 6])  # two dense states are planned as the two-way kernel
+def test_plans_put_the_output_pointers_where_fresh_outputs_are_patched_in(states):
+    views = _dense(
+        v=_view((states, TOKENS, HEADS, HEAD_SIZE), ptr=3 << 32),
+        s=_view((states, HEADS, TOKENS), "float32", ptr=4 << 32),
+    )
+    plan = _plan(views)
+    assert plan.args[_plan_module.OUT_ARGUMENT] == views["out"].ptr
+    assert plan.args[_plan_module.OUT_LSE_ARGUMENT] == views["out_lse"].ptr
