@@ -20,8 +20,12 @@ VECTOR_WIDTHS = {4: (4, 2, 1), 2: (8, 4, 2, 1)}
 #: Measured on the H200 (docs/PERF.md): 64-thread blocks beat 128-1024 thread ones.
 THREADS_PER_BLOCK = 64
 #: Tokens each thread of the two-way kernel owns (its template parameter ROWS):
-#: 2 measured 8-12 points of copy speed above 1 and 4 (docs/PERF.md).
+#: 2 measured 8-12 points of copy speed above 1 and 4 from tens of MB; below
+#: SMALL_TRAFFIC_BYTES one row a thread (twice the threads, each done sooner)
+#: measured 0.1-0.45 us faster (docs/PERF.md, sweep 10).
 ROWS_PER_THREAD = 2
+SMALL_ROWS_PER_THREAD = 1
+SMALL_TRAFFIC_BYTES = 32_000_000
 ROWS_INSTANTIATED = (1, 2, 4)
 #: Rows per thread when the first packs are staged through shared memory with
 #: cp.async (16-byte packs only; see the kernel), and whether to do so. Staging 4
@@ -235,7 +239,7 @@ def plan_merge_two(
     threads_x, rows_y = choose_block(head_size // vec, num_tokens)
     traffic = num_tokens * num_heads * head_size * (2 * v_a.itemsize + out.itemsize)
     staged = ASYNC_LOADS and vec * v_a.itemsize == 16 and traffic >= ASYNC_MIN_TRAFFIC_BYTES
-    rows = choose_rows_per_thread(num_tokens, rows_y, staged)
+    rows = choose_rows_per_thread(num_tokens, rows_y, staged, traffic < SMALL_TRAFFIC_BYTES)
     shared_bytes = 2 * rows * threads_x * rows_y * 16 if staged else 0
     grid = (min(-(-num_tokens // (rows_y * rows)) * num_heads, MAX_GRID_X), 1, 1)
     lse_out = out_lse if out_lse is not None else NO_ARRAY
@@ -321,11 +325,12 @@ def choose_block(packs_per_row: int, num_tokens: int) -> tuple[int, int]:
     return threads_x, rows_per_block
 
 
-def choose_rows_per_thread(num_tokens: int, rows_y: int, staged: bool = False) -> int:
+def choose_rows_per_thread(num_tokens: int, rows_y: int, staged: bool = False, small: bool = False) -> int:
     """Rows a thread owns: the measured best, fewer when there are too few tokens for that many."""
-    rows, allowed = (
-        (ASYNC_ROWS_PER_THREAD, ASYNC_ROWS_INSTANTIATED) if staged else (ROWS_PER_THREAD, ROWS_INSTANTIATED)
-    )
+    if staged:
+        rows, allowed = ASYNC_ROWS_PER_THREAD, ASYNC_ROWS_INSTANTIATED
+    else:
+        rows, allowed = (SMALL_ROWS_PER_THREAD if small else ROWS_PER_THREAD), ROWS_INSTANTIATED
     while rows > min(allowed) and rows_y * rows > num_tokens:
         rows //= 2
     return rows

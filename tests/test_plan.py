@@ -188,3 +188,12 @@ def test_plans_put_the_output_pointers_where_fresh_outputs_are_patched_in():
     views = _views(VALID)
     assert plan.args[_plan.OUT_ARGUMENT] == views["out"].ptr
     assert plan.args[_plan.OUT_LSE_ARGUMENT] == views["out_lse"].ptr
+
+
+@pytest.mark.parametrize("tokens, rows", [(64, 1), (1024, 1), (2048, 2), (4096, 2)])
+def test_small_merges_give_each_thread_one_row(tokens, rows):
+    values = Spec((tokens, 32, 128), "float16")  # 3 x 2 x 4096 x tokens bytes of values
+    lse = Spec((32, tokens), "float32")
+    specs = {"out": values, "out_lse": lse, "v_a": values, "s_a": lse, "v_b": values, "s_b": lse}
+    plan = _plan_from_views(_views(specs))
+    assert int(_plan.kernel_template_arguments(plan.kernel)[3]) == rows
