@@ -121,6 +121,7 @@ def run(call: Call, stream: Any) -> None:
 # bind() plans a merge without launching it: inside capture(), run() hands its call
 # over instead. The module-wide count keeps run()'s common case to one global read.
 _capturing = 0
+_capturing_lock = threading.Lock()  # += on a global is not atomic across threads
 _capture_slot = threading.local()
 
 
@@ -134,11 +135,13 @@ def capture():
     global _capturing
     captured = _Captured()
     _capture_slot.target = captured
-    _capturing += 1
+    with _capturing_lock:
+        _capturing += 1
     try:
         yield captured
     finally:
-        _capturing -= 1
+        with _capturing_lock:
+            _capturing -= 1
         _capture_slot.target = None
     if captured.call is None:
         raise RuntimeError("bind: the merge planned no launch")  # every merge runs exactly once

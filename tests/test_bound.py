@@ -49,3 +49,20 @@ def test_an_error_inside_capture_propagates_and_ends_the_capture():
     with pytest.raises(ValueError, match="bad"), _dispatch.capture():
         raise ValueError("bad")
     assert _dispatch._capturing == 0
+
+
+def test_captures_on_many_threads_at_once_keep_the_count_exact():
+    barrier = threading.Barrier(8)
+
+    def bind_many():
+        barrier.wait()
+        for _ in range(2000):
+            with _dispatch.capture():
+                _dispatch.run(_dispatch.Call(None, "cupy", 0), stream=0)
+
+    workers = [threading.Thread(target=bind_many) for _ in range(8)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert _dispatch._capturing == 0  # no lost update left it off zero
