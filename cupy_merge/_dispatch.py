@@ -96,6 +96,9 @@ def run_with_fresh_outputs(call: Call, like: Any, out: Any, out_lse: Any, stream
     Fresh allocations are aligned and never overlap the inputs, so the plan made for
     the first call's outputs holds for any later ones; only the pointers change.
     """
+    if call.fresh.values is None and call.fresh.lse is None:
+        run(call, stream)  # the caller gave both outputs: the cached launch as it is
+        return out, out_lse
     patches = []
     if call.fresh.values is not None:
         out = _arrays.empty(like, call.kind, *call.fresh.values, call.device)

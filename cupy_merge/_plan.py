@@ -22,7 +22,7 @@ THREADS_PER_BLOCK = 64
 #: Tokens each thread of the two-way kernel owns (its template parameter ROWS):
 #: 2 measured 8-12 points of copy speed above 1 and 4 from tens of MB; below
 #: SMALL_TRAFFIC_BYTES one row a thread (twice the threads, each done sooner)
-#: measured 0.1-0.45 us faster (docs/PERF.md, sweep 10).
+#: measured 0.03-0.45 us faster (docs/PERF.md, sweep 10).
 ROWS_PER_THREAD = 2
 SMALL_ROWS_PER_THREAD = 1
 SMALL_TRAFFIC_BYTES = 32_000_000

@@ -78,3 +78,19 @@ def test_fresh_output_pointers_are_patched_into_a_copy_of_the_arguments():
     assert [ctypes.c_int64.from_address(address).value for address in table] == [1000, 2000, 33]
     assert values.tolist() == [11, 22, 33]  # the cached launch is untouched
     assert patched.function == 7 and patched.grid == prepared.grid
+
+
+def test_a_call_given_both_outputs_relaunches_its_cached_arguments_without_copying(monkeypatch):
+    import numpy as np
+
+    from cupy_merge import _arrays, _kernels
+
+    values = np.array([11, 22, 33], dtype=np.int64)
+    prepared = _kernels.PreparedLaunch(7, (1, 1, 1), (32, 1, 1), 12345, 0, 0, (values, None, None))
+    call = _dispatch.Call(prepared, "cupy", 0, _dispatch.FreshOutputs(None, None))
+    monkeypatch.setattr(_arrays, "stream_pointer", lambda stream, kind, device: 0)
+    monkeypatch.setattr(_kernels, "with_pointers", lambda *args: pytest.fail("copied the arguments"))
+    launched = []
+    monkeypatch.setattr(_kernels, "launch_prepared", lambda p, stream: launched.append(p))
+    assert _dispatch.run_with_fresh_outputs(call, None, "out", "out_lse", None) == ("out", "out_lse")
+    assert launched == [prepared]
