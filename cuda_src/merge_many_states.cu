@@ -12,7 +12,11 @@
 // NaN row; the host checks them first unless told not to.
 // Output: out [num_tokens, num_heads, head_size] TOut, out_lse [num_heads, num_tokens].
 //
-// Launch: block (threads_x, rows_y, splits), a 1-D grid over work items (rows_y
+// Two kernels: merge_many_states_packed (at the end) for the common layouts,
+// one thread a 16-byte pack of the output; merge_many_states for everything
+// else (any strides, narrow packs, 64-bit offsets).
+//
+// merge_many_states launch: block (threads_x, rows_y, splits), a 1-D grid over work items (rows_y
 // tokens of one head). Thread (x, y, z) takes pack x of token y's row over the
 // states z, z + splits, ...: MERGE_CHUNK states at a time, all their LSEs and
 // value packs loaded before any is used, folded into a running maximum, weight
@@ -87,6 +91,28 @@ struct Partial {
   }
 };
 
+// A ragged token's rows [first, first + count) from indptr (int32 or int64 entries).
+// Read and checked at full width, so a huge offset cannot wrap into range;
+// out-of-range offsets (negative, decreasing, past num_states) give no rows and `bad`.
+struct RaggedRow {
+  long long first, count;
+  bool bad;
+};
+
+__device__ __forceinline__ RaggedRow ragged_row(const void* indptr, long long indptr_bytes, long long indptr_stride,
+                                                long long token, long long num_states) {
+  long long begin, end;
+  if (indptr_bytes == 8) {
+    begin = static_cast<const long long*>(indptr)[token * indptr_stride];
+    end = static_cast<const long long*>(indptr)[(token + 1) * indptr_stride];
+  } else {
+    begin = static_cast<const int*>(indptr)[token * indptr_stride];
+    end = static_cast<const int*>(indptr)[(token + 1) * indptr_stride];
+  }
+  const bool bad = begin < 0 || end < begin || end > num_states;
+  return {bad ? 0 : begin, bad ? 0 : end - begin, bad};
+}
+
 // The last state index of the chunk starting at i0 (a short chunk re-reads it).
 template <typename Index>
 __device__ __forceinline__ int chunk_last(Index i0, Index count) {
@@ -136,17 +162,10 @@ __global__ void merge_many_states(
     Index first = 0, count = token_valid ? num_states : 0;
     bool bad_indptr = false;
     if (indptr != nullptr && token_valid) {
-      long long begin, end;  // checked at full width: a huge offset must not wrap into range
-      if (indptr_bytes == 8) {
-        begin = static_cast<const long long*>(indptr)[token * indptr_stride];
-        end = static_cast<const long long*>(indptr)[(token + 1) * indptr_stride];
-      } else {
-        begin = static_cast<const int*>(indptr)[token * indptr_stride];
-        end = static_cast<const int*>(indptr)[(token + 1) * indptr_stride];
-      }
-      bad_indptr = begin < 0 || end < begin || end > num_states;
-      first = bad_indptr ? 0 : begin;
-      count = bad_indptr ? 0 : end - begin;
+      const RaggedRow row = ragged_row(indptr, indptr_bytes, indptr_stride, token, num_states);
+      first = row.first;
+      count = row.count;
+      bad_indptr = row.bad;
     }
     const float* row_lse = lse + first * lse_stride_state + head * lse_stride_head + token * lse_stride_token;
     const InPack* column = reinterpret_cast<const InPack*>(v + first * v_stride_state + token * v_stride_token + head * v_stride_head);
@@ -203,6 +222,125 @@ __global__ void merge_many_states(
         out_lse[head * out_lse_stride_head + token * out_lse_stride_token] = broken ? quiet_nan() : merged_lse;
       }
     }
+  }
+}
+
+}  // namespace cupy_merge
+
+namespace cupy_merge {
+
+// This thread's states of a row: chunks of MERGE_CHUNK states starting at
+// split * MERGE_CHUNK, splits * MERGE_CHUNK apart. `visit(i0, last)` gets each
+// chunk's first state and the index of its last one within the chunk.
+template <typename Visit>
+__device__ __forceinline__ void for_each_chunk(int count, int split, int splits, Visit visit) {
+#pragma unroll 1
+  for (int i0 = split * MERGE_CHUNK; i0 < count; i0 += splits * MERGE_CHUNK) {
+    visit(i0, count - i0 < MERGE_CHUNK ? count - i0 - 1 : MERGE_CHUNK - 1);
+  }
+}
+
+// The lean variant, for the common layouts: v holds the heads of a token back
+// to back (head stride = head_size) in rows that start on a pack, the output
+// too, all offsets fit in 32 bits, and packs are 16 bytes. Thread x of the grid
+// owns output pack x, numbered over (token, head, pack) with no gaps. Two passes
+// over a row's states: the maximum LSE first (LSE loads only, which neighbouring
+// lanes share), then the values with final weights exp(lse_i - max): no running
+// rescale, so few registers and many threads resident. (Loading the first
+// chunk's values with the LSEs saved a round trip but cost 8-16 registers, and
+// measured slower: session 4, sweep 2.)
+//
+// SPLIT: the block's y threads take every splits-th chunk of a row's states and
+// combine their partial sums in shared memory (many states, few rows).
+// Strides of v and out are in packs, of lse in elements. Dense and ragged as for
+// merge_many_states (ragged: the token strides are 0).
+template <typename TIn, typename TOut, int VEC, bool SPLIT>
+__global__ void merge_many_states_packed(
+    TOut* out, float* out_lse, const TIn* v, const float* lse,
+    const void* indptr, int indptr_bytes, int indptr_stride,
+    int num_states, int total_packs, int packs_per_token, unsigned token_multiplier, unsigned token_shift,
+    int packs_per_row, unsigned head_multiplier, unsigned head_shift,
+    int out_stride_token, int v_stride_state, int v_stride_token,
+    int out_lse_stride_head, int out_lse_stride_token,
+    int lse_stride_state, int lse_stride_head, int lse_stride_token,
+    int lse_base_2) {
+  using InPack = Pack<TIn, VEC>;
+  using OutPack = Pack<TOut, VEC>;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  Partial<VEC>* shared_partials = reinterpret_cast<Partial<VEC>*>(shared_bytes);  // [splits - 1][blockDim.x]
+  const int split = SPLIT ? threadIdx.y : 0, splits = SPLIT ? blockDim.y : 1;
+  const float to_natural = lse_to_natural(lse_base_2);
+
+  const int p = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool valid = p < total_packs;
+  const int token = valid ? fast_divide(p, token_multiplier, token_shift) : 0;
+  const int within = p - token * packs_per_token;
+  const int head = fast_divide(within, head_multiplier, head_shift);
+
+  int first = 0, count = valid ? num_states : 0;
+  bool bad_indptr = false;
+  if (indptr != nullptr && valid) {
+    const RaggedRow row = ragged_row(indptr, indptr_bytes, indptr_stride, token, num_states);
+    first = static_cast<int>(row.first);  // within num_states, which fits in int here
+    count = static_cast<int>(row.count);
+    bad_indptr = row.bad;
+  }
+  const float* row_lse = lse + first * lse_stride_state + head * lse_stride_head + token * lse_stride_token;
+  const InPack* column = reinterpret_cast<const InPack*>(v) + first * v_stride_state + token * v_stride_token + within;
+
+  Partial<VEC> part;
+  part.reset();
+  for_each_chunk(count, split, splits, [&](int i0, int last) {
+    float raw[MERGE_CHUNK];
+#pragma unroll
+    for (int j = 0; j < MERGE_CHUNK; ++j) raw[j] = row_lse[(i0 + min(j, last)) * lse_stride_state];
+#pragma unroll
+    for (int j = 0; j < MERGE_CHUNK; ++j) {
+      const float s = empty_if_inf(raw[j]) * to_natural;
+      part.any_nan |= is_nan(s);
+      part.lse_max = fmaxf(part.lse_max, s);  // fmaxf ignores NaN
+    }
+  });
+  if (part.lse_max != negative_infinity() && !part.any_nan) {
+    for_each_chunk(count, split, splits, [&](int i0, int last) {
+      // Every load of the chunk is issued before any is used; a short chunk re-reads its last state.
+      float raw[MERGE_CHUNK];
+      InPack values[MERGE_CHUNK];
+#pragma unroll
+      for (int j = 0; j < MERGE_CHUNK; ++j) raw[j] = row_lse[(i0 + min(j, last)) * lse_stride_state];
+#pragma unroll
+      for (int j = 0; j < MERGE_CHUNK; ++j) values[j] = load_pack(column + (i0 + min(j, last)) * v_stride_state);
+#pragma unroll
+      for (int j = 0; j < MERGE_CHUNK; ++j) {
+        const float weight = j <= last ? exp_weight(empty_if_inf(raw[j]) * to_natural - part.lse_max) : 0.0f;
+        part.sum += weight;
+        // A state of weight zero adds nothing, even if its values are NaN (an empty split).
+        if (weight != 0.0f) {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) part.acc[k] = fmaf(weight, to_float(values[j].v[k]), part.acc[k]);
+        }
+      }
+    });
+  }
+  if constexpr (SPLIT) {
+    // Uniform across the block: every thread reaches the barrier.
+    if (split > 0) shared_partials[(split - 1) * blockDim.x + threadIdx.x] = part;
+    __syncthreads();
+    if (split > 0) return;
+    for (int other = 1; other < splits; ++other) part.combine(shared_partials[(other - 1) * blockDim.x + threadIdx.x]);
+  }
+  if (!valid) return;
+  const bool broken = part.any_nan || bad_indptr;
+  // Empty rows (no state, or only empty ones) give 0; a NaN LSE or bad offsets give NaN.
+  const bool empty = part.lse_max == negative_infinity();
+  const float scale = broken ? quiet_nan() : empty ? 0.0f : 1.0f / part.sum;
+  OutPack merged;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) merged.v[k] = from_float<TOut>(part.acc[k] * scale);
+  store_pack(reinterpret_cast<OutPack*>(out) + token * out_stride_token + within, merged);
+  if (out_lse != nullptr && within == head * packs_per_row) {
+    const float merged_lse = empty ? negative_infinity() : (part.lse_max + logf(part.sum)) * lse_from_natural(lse_base_2);
+    out_lse[head * out_lse_stride_head + token * out_lse_stride_token] = broken ? quiet_nan() : merged_lse;
   }
 }
 

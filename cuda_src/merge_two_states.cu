@@ -11,7 +11,11 @@
 // Per token: mask false -> nothing is read or written; token >= merge_tokens ->
 // state b is copied unchanged (vLLM's prefill_tokens_with_context); else merged.
 //
-// Launch: block (threads_x, rows_y), a 1-D grid over work items (ROWS * rows_y
+// Two kernels: merge_two_states_packed (below) for the common layouts, one
+// thread a 16-byte pack; merge_two_states for everything else (any strides,
+// narrow packs, 64-bit offsets). The host's planner picks one (cupy_merge/_plan.py).
+//
+// merge_two_states launch: block (threads_x, rows_y), a 1-D grid over work items (ROWS * rows_y
 // tokens of one head), looping when there are more items than blocks. A thread
 // owns ROWS tokens, rows_y apart, of one head at a time (the head-major LSE loads
 // of a warp stay contiguous), and strides over each row in packs of VEC elements.
@@ -40,13 +44,12 @@ __device__ __forceinline__ StateWeights weigh_two_states(float lse_a, float lse_
     w.lse = negative_infinity();
     return w;
   }
-  const float exp_a = expf(lse_a - lse_max);
-  const float exp_b = expf(lse_b - lse_max);
-  const float sum = exp_a + exp_b;
-  w.weight_a = exp_a / sum;
-  w.weight_b = exp_b / sum;
-  // One of the two exponentials is exactly 1; log1p keeps the other's digits.
-  w.lse = lse_max + log1pf(fminf(exp_a, exp_b));
+  const float exp_a = exp_weight(lse_a - lse_max);
+  const float exp_b = exp_weight(lse_b - lse_max);
+  const float sum = exp_a + exp_b;  // in [1, 2]: the fast division and logarithm are exact to a few ulp there
+  w.weight_a = __fdividef(exp_a, sum);
+  w.weight_b = __fdividef(exp_b, sum);
+  w.lse = lse_max + __logf(sum);
   return w;
 }
 
@@ -66,13 +69,9 @@ __device__ __forceinline__ Pack<TOut, VEC> merge_pack(const StateWeights& w,
   return out;
 }
 
-// ASYNC (16-byte packs only): the first packs of all ROWS rows are copied into
-// shared memory with cp.async instead of into registers, so a thread keeps
-// 2 * ROWS packs in flight without holding registers for them. Each thread reads
-// back only what it copied itself, so waiting for its own copies is enough.
 // Index: the integer type of element offsets, int when the host found that every
 // offset fits (fewer registers and instructions), else long long.
-template <typename TIn, typename TOut, int VEC, int ROWS, bool ASYNC, typename Index>
+template <typename TIn, typename TOut, int VEC, int ROWS, typename Index>
 __global__ void merge_two_states(
     TOut* out, float* out_lse,
     const TIn* v_a, const float* lse_a,
@@ -102,11 +101,7 @@ __global__ void merge_two_states(
     Index token[ROWS];
     bool active[ROWS];
     float s_a[ROWS], s_b[ROWS];
-    InPack a[ASYNC ? 1 : ROWS], b[ASYNC ? 1 : ROWS];
-    extern __shared__ unsigned char shared_bytes[];
-    InPack* staged = reinterpret_cast<InPack*>(shared_bytes);  // [ROWS][2][threads]
-    const int lane = threadIdx.y * blockDim.x + threadIdx.x;
-    const int threads = blockDim.x * blockDim.y;
+    InPack a[ROWS], b[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       token[r] = block_token_block(work, num_heads) * rows_per_block + r * blockDim.y + threadIdx.y;
@@ -120,17 +115,11 @@ __global__ void merge_two_states(
         if (first_pack < num_packs) {
           const InPack* from_a = reinterpret_cast<const InPack*>(v_a + token[r] * a_stride_token + head * a_stride_head) + first_pack;
           const InPack* from_b = reinterpret_cast<const InPack*>(v_b + token[r] * b_stride_token + head * b_stride_head) + first_pack;
-          if constexpr (ASYNC) {
-            copy_async_16(shared_address(staged + (2 * r) * threads + lane), from_a);
-            copy_async_16(shared_address(staged + (2 * r + 1) * threads + lane), from_b);
-          } else {
-            a[r] = load_pack(from_a);
-            b[r] = load_pack(from_b);
-          }
+          a[r] = load_pack(from_a);
+          b[r] = load_pack(from_b);
         }
       }
     }
-    if constexpr (ASYNC) wait_async_copies();
     StateWeights w[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -161,15 +150,76 @@ __global__ void merge_two_states(
       const InPack* row_a = reinterpret_cast<const InPack*>(v_a + token[r] * a_stride_token + head * a_stride_head);
       const InPack* row_b = reinterpret_cast<const InPack*>(v_b + token[r] * b_stride_token + head * b_stride_head);
       OutPack* row_out = reinterpret_cast<OutPack*>(out + token[r] * out_stride_token + head * out_stride_head);
-      if constexpr (ASYNC) {
-        store_pack(row_out + first_pack, merge_pack<TOut>(w[r], staged[(2 * r) * threads + lane], staged[(2 * r + 1) * threads + lane]));
-      } else {
-        store_pack(row_out + first_pack, merge_pack<TOut>(w[r], a[r], b[r]));
-      }
+      store_pack(row_out + first_pack, merge_pack<TOut>(w[r], a[r], b[r]));
       for (Index p = first_pack + blockDim.x; p < num_packs; p += blockDim.x) {
         store_pack(row_out + p, merge_pack<TOut>(w[r], load_pack(row_a + p), load_pack(row_b + p)));
       }
     }
+  }
+}
+
+}  // namespace cupy_merge
+
+namespace cupy_merge {
+
+// The lean variant, for the common layouts: every value array holds the heads of
+// a token back to back (head stride = head_size) in rows that start on a pack,
+// all offsets fit in 32 bits, and packs are 16 bytes. Thread i of the grid owns
+// output pack i, numbered over (token, head, pack) with no gaps, so neighbouring
+// threads and blocks stream neighbouring memory. No loop and few registers:
+// occupancy, not loads per thread, keeps the bytes in flight (as in FlashInfer's
+// merge; two packs a thread measured no faster, session 4 sweep 1).
+// STREAMING: the value loads carry the .cs hint (see load_pack).
+//
+// LSE_IN_PLACE: out_lse is lse_a or lse_b itself. The host then guarantees that
+// a row's packs lie in one warp (packs_per_row divides 32), and __syncwarp()
+// orders every lane's read of the old LSE before the write of the new one.
+// Token strides are in packs; LSE strides in elements.
+template <typename TIn, typename TOut, int VEC, bool STREAMING, bool LSE_IN_PLACE>
+__global__ void merge_two_states_packed(
+    TOut* out, float* out_lse,
+    const TIn* v_a, const float* lse_a,
+    const TIn* v_b, const float* lse_b,
+    const unsigned char* mask,
+    int total_packs, int packs_per_token, unsigned token_multiplier, unsigned token_shift,
+    int packs_per_row, unsigned head_multiplier, unsigned head_shift, int merge_tokens,
+    int out_stride_token, int a_stride_token, int b_stride_token,
+    int out_lse_stride_head, int out_lse_stride_token,
+    int lse_a_stride_head, int lse_a_stride_token,
+    int lse_b_stride_head, int lse_b_stride_token,
+    int mask_stride, int lse_base_2) {
+  using InPack = Pack<TIn, VEC>;
+  using OutPack = Pack<TOut, VEC>;
+  const float to_natural = lse_to_natural(lse_base_2);
+  const float from_natural = lse_from_natural(lse_base_2);
+  const int p = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool valid = p < total_packs;
+  const int token = valid ? fast_divide(p, token_multiplier, token_shift) : 0;
+  const int within = p - token * packs_per_token;  // (head, pack) of the token, in packs
+  const int head = fast_divide(within, head_multiplier, head_shift);
+  const bool active = valid && (mask == nullptr || mask[token * mask_stride] != 0);
+  float s_a = 0.0f, s_b = 0.0f;
+  InPack a, b;
+  if (active) {
+    s_a = lse_a[head * lse_a_stride_head + token * lse_a_stride_token];
+    s_b = lse_b[head * lse_b_stride_head + token * lse_b_stride_token];
+    a = load_pack<STREAMING>(reinterpret_cast<const InPack*>(v_a) + token * a_stride_token + within);
+    b = load_pack<STREAMING>(reinterpret_cast<const InPack*>(v_b) + token * b_stride_token + within);
+  }
+  if constexpr (LSE_IN_PLACE) __syncwarp();
+  if (!active) return;
+  StateWeights w;
+  if (token >= merge_tokens) {
+    w.weight_a = 0.0f;  // copy state b as it is, LSE bits included
+    w.weight_b = 1.0f;
+    w.lse = s_b;
+  } else {
+    w = weigh_two_states(empty_if_inf(s_a) * to_natural, empty_if_inf(s_b) * to_natural);
+    w.lse *= from_natural;
+  }
+  store_pack(reinterpret_cast<OutPack*>(out) + token * out_stride_token + within, merge_pack<TOut>(w, a, b));
+  if (out_lse != nullptr && within == head * packs_per_row) {
+    out_lse[head * out_lse_stride_head + token * out_lse_stride_token] = w.lse;
   }
 }
 

@@ -60,44 +60,39 @@ struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {
   T v[N];
 };
 
-// Every value is read once and written once: 16-byte packs move with the
+// Every value is read once and written once. 16-byte stores carry the
 // cache-streaming hint (.cs), measured 2-15 points of copy speed faster on the
-// H200 (docs/PERF.md). -DCUPY_MERGE_STREAMING=0 turns it off.
-#ifndef CUPY_MERGE_STREAMING
-#define CUPY_MERGE_STREAMING 1
-#endif
-
-#ifndef CUPY_MERGE_LOAD_OP
-#define CUPY_MERGE_LOAD_OP "ld.global.cs.v4.u32"
-#endif
-
+// H200 (docs/PERF.md, session 2). Loads carry it when STREAMING: it measured
+// up to 3 points faster below about 64 MB of traffic and 5-10 points slower
+// above, where plain loads reach the copy's speed (session 4, sweep 2).
 struct alignas(16) Bytes16 { unsigned x, y, z, w; };
 
-template <typename P>
+template <bool STREAMING = true, typename P>
 __device__ __forceinline__ P load_pack(const P* address) {
-#if CUPY_MERGE_STREAMING
-  if constexpr (sizeof(P) == 16) {
+  if constexpr (sizeof(P) == 16 && STREAMING) {
     Bytes16 b;
-    asm volatile(CUPY_MERGE_LOAD_OP " {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(b.x), "=r"(b.y), "=r"(b.z), "=r"(b.w) : "l"(address));
     return *reinterpret_cast<P*>(&b);
   }
-#endif
   return *address;
 }
 
 template <typename P>
 __device__ __forceinline__ void store_pack(P* address, const P& value) {
-#if CUPY_MERGE_STREAMING
   if constexpr (sizeof(P) == 16) {
     const Bytes16 b = *reinterpret_cast<const Bytes16*>(&value);
     asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};"
                  :: "l"(address), "r"(b.x), "r"(b.y), "r"(b.z), "r"(b.w) : "memory");
     return;
   }
-#endif
   *address = value;
 }
+
+// Weights use the fast exponential (ex2.approx; FlashInfer's choice too): a few
+// ulp, far below the 16-bit outputs' rounding and within 1e-6 of float64 in the
+// tests, and it measured 1-3 points of copy speed faster (session 4, sweep 2).
+__device__ __forceinline__ float exp_weight(float x) { return __expf(x); }
 
 __device__ __forceinline__ float positive_infinity() { return __int_as_float(0x7f800000); }
 __device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
@@ -109,34 +104,17 @@ __device__ __forceinline__ float empty_if_inf(float lse) {
   return lse == positive_infinity() ? negative_infinity() : lse;
 }
 
-// Shared memory is addressed with 32-bit offsets in the shared window (cheaper
-// than generic 64-bit pointers, and it keeps registers free).
-__device__ __forceinline__ unsigned shared_address(const void* shared_pointer) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(shared_pointer));
-}
-
-// Asynchronous 16-byte copy from global to shared memory (sm_80+), bypassing L1.
-__device__ __forceinline__ void copy_async_16(unsigned shared_destination, const void* global_source) {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_destination), "l"(global_source) : "memory");
-#else
-  asm volatile("{ .reg .b32 x, y, z, w; ld.global.v4.b32 {x, y, z, w}, [%1]; st.shared.v4.b32 [%0], {x, y, z, w}; }"
-               ::"r"(shared_destination), "l"(global_source) : "memory");
-#endif
-}
-
-// Waits until every asynchronous copy this thread issued has landed.
-__device__ __forceinline__ void wait_async_copies() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
-#endif
-}
-
 // Work items (a block's tokens of one head) are numbered head-fastest, so that
 // blocks running at the same time read neighbouring heads of the same tokens:
 // contiguous memory (1-2 points of copy speed over token-fastest, docs/PERF.md).
 __device__ __forceinline__ long long block_head(long long work, long long num_heads) { return work % num_heads; }
 __device__ __forceinline__ long long block_token_block(long long work, long long num_heads) { return work / num_heads; }
+
+// n / d for 0 <= n < 2^31 as a multiply-high, an add and a shift; the host finds
+// multiplier and shift for each divisor d (cupy_merge/_plan.py, fast_divisor).
+__device__ __forceinline__ int fast_divide(int n, unsigned multiplier, unsigned shift) {
+  return static_cast<int>((__umulhi(static_cast<unsigned>(n), multiplier) + static_cast<unsigned>(n)) >> shift);
+}
 
 // LSEs may be natural-log (vLLM) or base-2 (FlashInfer); the kernels work in
 // natural log and convert at the edges (multiplying by 1 is exact).

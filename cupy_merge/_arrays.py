@@ -1,11 +1,13 @@
-"""Adapters between user arrays and the plain facts the kernels need.
+"""Adapters between user arrays and the plain facts the kernels need: one per array kind.
 
-Every supported array kind (CuPy, torch, objects exposing
-``__cuda_array_interface__``, DLPack producers such as JAX) is reduced to an
-:class:`ArrayView`: data pointer, shape, strides in elements, dtype name and
-device. Nothing else in the package looks at the user's array type, and torch
-is never imported here: a tensor is recognised only when torch is already
-loaded by the caller.
+Every supported kind (CuPy, torch, JAX, other ``__cuda_array_interface__`` or
+DLPack producers) has one :class:`Adapter`: how to describe an array as an
+:class:`ArrayView` (data pointer, shape, strides in elements, dtype name,
+device), how to fingerprint it for the fast path, its current stream, how to
+allocate an output for a stream, and how results go back to the caller.
+Nothing else in the package looks at a user's array type. torch is never
+imported here: a tensor is recognised only when the caller has loaded torch
+(:func:`torch_module`, the one probe).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ _DLPACK_CUDA_MANAGED = 13
 
 
 class ArrayView(NamedTuple):
-    """What the planner knows about one array; strides are in elements."""
+    """What the checks and the planner know about one array; strides are in elements."""
 
     ptr: int
     shape: tuple[int, ...]
@@ -32,156 +34,27 @@ class ArrayView(NamedTuple):
     device: int
 
 
+def torch_module() -> Any:
+    """torch if the caller has imported it, else ``None`` (never imports it)."""
+    return sys.modules.get("torch")
+
+
 # dtype object -> name. numpy's dtype.name is computed in Python on every access (~4 us a call).
 _DTYPE_NAMES: dict[Any, str] = {}
 
 
-def _torch():
-    return sys.modules.get("torch")
-
-
-def array_kind(obj: Any) -> str:
-    """``"cupy"``, ``"torch"``, ``"jax"`` or ``"other"``: the kind results are returned in."""
-    if isinstance(obj, cupy.ndarray):
-        return "cupy"
-    torch = _torch()
-    if torch is not None and isinstance(obj, torch.Tensor):
-        return "torch"
-    if type(obj).__module__.startswith(("jax", "jaxlib")):
-        return "jax"
-    return "other"
-
-
-def describe(obj: Any, name: str) -> ArrayView:
-    """Reduce a user array to an :class:`ArrayView`, or raise ``TypeError`` naming ``name``.
-
-    Host arrays (NumPy, CPU tensors, CPU DLPack) are rejected: the merge reads
-    device memory only and never copies.
-    """
-    if isinstance(obj, cupy.ndarray):
-        return _describe_cupy(obj)
-    torch = _torch()
-    if torch is not None and isinstance(obj, torch.Tensor):
-        return _describe_torch(obj, name)
-    if isinstance(obj, numpy.ndarray):
-        raise TypeError(
-            f"{name}: expected an array in GPU memory (CuPy array, torch CUDA tensor or "
-            f"DLPack CUDA array), got a NumPy array in host memory; move it with cupy.asarray()"
+def _dtype_name(dtype: Any) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES.setdefault(
+            dtype, str(dtype).removeprefix("torch.") if _is_torch_dtype(dtype) else dtype.name
         )
-    if hasattr(obj, "__cuda_array_interface__"):
-        return _describe_cupy(cupy.asarray(obj))
-    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
-        device_type, _ = obj.__dlpack_device__()
-        if int(device_type) not in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
-            raise TypeError(
-                f"{name}: expected an array in GPU memory, got a {type(obj).__name__} whose "
-                f"DLPack device type is {int(device_type)} (1 is the CPU, 2 is CUDA)"
-            )
-        return _describe_cupy(from_dlpack(obj))
-    raise TypeError(
-        f"{name}: expected a CuPy array, a torch CUDA tensor or a CUDA array exposing "
-        f"__dlpack__ or __cuda_array_interface__, got {type(obj).__module__}.{type(obj).__name__}"
-    )
+    return name
 
 
-def from_dlpack(obj: Any) -> cupy.ndarray:
-    """A zero-copy CuPy view of a DLPack producer's device array."""
-    return cupy.from_dlpack(obj)
-
-
-def _describe_cupy(a: cupy.ndarray) -> ArrayView:
-    itemsize = a.itemsize
-    dtype = a.dtype
-    dtype_name = _DTYPE_NAMES.get(dtype)
-    if dtype_name is None:
-        dtype_name = _DTYPE_NAMES.setdefault(dtype, dtype.name)
-    return ArrayView(
-        a.data.ptr,
-        a.shape,
-        tuple(s // itemsize for s in a.strides),
-        dtype_name,
-        itemsize,
-        a.device.id,
-    )
-
-
-def _describe_torch(t: Any, name: str) -> ArrayView:
-    device = t.get_device()
-    if device < 0:
-        raise TypeError(
-            f"{name}: expected a torch tensor on a CUDA device, got one on {t.device}; move it with .cuda()"
-        )
-    dtype = t.dtype
-    dtype_name = _DTYPE_NAMES.get(dtype)
-    if dtype_name is None:
-        dtype_name = _DTYPE_NAMES.setdefault(dtype, str(dtype).removeprefix("torch."))
-    return ArrayView(t.data_ptr(), tuple(t.shape), t.stride(), dtype_name, t.element_size(), device)
-
-
-def stream_pointer(stream: Any, kind: str, device: int) -> int:
-    """The raw ``cudaStream_t`` to launch on.
-
-    ``stream`` may be ``None`` (the caller's current stream: torch's for torch
-    tensors, CuPy's otherwise), a CuPy or torch stream, an object with
-    ``__cuda_stream__`` (CUDA Python protocol), or a raw pointer as ``int``.
-    """
-    if stream is None:
-        return current_stream_getter(kind)(device)
-    if isinstance(stream, int):
-        return stream
-    for attribute in ("ptr", "cuda_stream"):
-        value = getattr(stream, attribute, None)
-        if isinstance(value, int):
-            return value
-    protocol = getattr(stream, "__cuda_stream__", None)
-    if protocol is not None:
-        return int(protocol()[1])
-    raise TypeError(
-        f"stream: expected None, an int cudaStream_t, a CuPy or torch stream, or an object "
-        f"with __cuda_stream__, got {type(stream).__name__}"
-    )
-
-
-def current_stream_getter(kind: str):
-    """``device -> cudaStream_t`` of the current stream, as ``stream_pointer(None, kind, device)``."""
-    if kind == "torch":
-        return _torch_current_stream
-    return _cupy_current_stream
-
-
-def _cupy_current_stream(device: int) -> int:
-    return cupy.cuda.get_current_stream(device).ptr
-
-
-def _torch_current_stream(device: int) -> int:
-    torch = _torch()
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        # The public torch.cuda.current_stream() builds a Stream object: ~5 us.
-        return raw(device)
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-def empty_values(
-    like: Any, kind: str, shape: tuple[int, ...], dtype: str, device: int
-) -> tuple[Any, ArrayView]:
-    """A new C-contiguous value array of dtype name ``dtype`` on ``device``, in the caller's kind."""
-    out = empty(like, kind, shape, dtype, device)
-    return out, _describe_torch(out, "out") if kind == "torch" else _describe_cupy(out)
-
-
-def empty(like: Any, kind: str, shape: tuple[int, ...], dtype: str, device: int) -> Any:
-    """A new C-contiguous array on ``device``: a torch tensor for torch callers, else CuPy."""
-    if kind == "torch":
-        torch = _torch()
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
-    with cupy.cuda.Device(device):
-        return cupy.empty(shape, dtype=cupy_dtype(dtype))
-
-
-def data_pointer(array: Any) -> int:
-    """The device address of an array made by :func:`empty`."""
-    return array.data_ptr() if hasattr(array, "data_ptr") else array.data.ptr
+def _is_torch_dtype(dtype: Any) -> bool:
+    torch = torch_module()
+    return torch is not None and isinstance(dtype, torch.dtype)
 
 
 def cupy_dtype(name: str) -> Any:
@@ -198,25 +71,230 @@ def cupy_dtype(name: str) -> Any:
     return numpy.dtype(ml_dtypes.bfloat16)
 
 
-def empty_lse(original: Any, kind: str, shape: tuple[int, int], device: int) -> tuple[Any, ArrayView]:
-    """A new C-contiguous float32 LSE array ``[num_heads, num_tokens]`` in the caller's kind."""
-    out = empty(original, kind, shape, "float32", device)
-    return out, _describe_torch(out, "out_lse") if kind == "torch" else _describe_cupy(out)
+def _describe_cupy(array: cupy.ndarray) -> ArrayView:
+    itemsize = array.itemsize
+    return ArrayView(
+        array.data.ptr,
+        array.shape,
+        tuple(s // itemsize for s in array.strides),
+        _dtype_name(array.dtype),
+        itemsize,
+        array.data.device_id,
+    )
+
+
+def _empty_cupy(shape: tuple[int, ...], dtype: str, device: int, stream: int | None) -> cupy.ndarray:
+    with cupy.cuda.Device(device):
+        if stream is None:
+            return cupy.empty(shape, dtype=cupy_dtype(dtype))
+        # CuPy's pool hands a block back only to allocations on the stream it was freed on.
+        with cupy.cuda.Stream.from_external(_RawStream(stream)):
+            return cupy.empty(shape, dtype=cupy_dtype(dtype))
+
+
+class _RawStream:
+    """A raw ``cudaStream_t`` behind the CUDA stream protocol (what ``Stream.from_external`` reads)."""
+
+    def __init__(self, pointer: int):
+        self._pointer = pointer
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self._pointer)
+
+
+class Adapter:
+    """One array kind. ``writable``: whether merges may write into its arrays."""
+
+    kind = "other"
+    writable = True
+
+    def describe(self, obj: Any, name: str) -> ArrayView:
+        raise NotImplementedError
+
+    def current_stream(self, device: int) -> int:
+        return cupy.cuda.get_current_stream(device).ptr
+
+    def empty(self, shape: tuple[int, ...], dtype: str, device: int, stream: int | None) -> Any:
+        """A new C-contiguous array; ``stream`` (a raw pointer) is the one that will write it first."""
+        return _empty_cupy(shape, dtype, device, stream)
+
+    def result(self, array: Any) -> Any:
+        return array
+
+
+class CupyAdapter(Adapter):
+    kind = "cupy"
+
+    def describe(self, obj: cupy.ndarray, name: str) -> ArrayView:
+        return _describe_cupy(obj)
+
+
+class ForeignAdapter(Adapter):
+    """``__cuda_array_interface__`` and DLPack producers: read zero-copy through CuPy; results are CuPy."""
+
+    kind = "other"
+
+    def describe(self, obj: Any, name: str) -> ArrayView:
+        return _describe_cupy(as_cupy(obj, name))
+
+
+class JaxAdapter(ForeignAdapter):
+    """JAX arrays are immutable and may share buffers: read, never written; results come back as JAX."""
+
+    kind = "jax"
+    writable = False
+
+    def result(self, array: Any) -> Any:
+        import jax.dlpack
+
+        return jax.dlpack.from_dlpack(array)
+
+
+class TorchAdapter(Adapter):
+    kind = "torch"
+
+    def __init__(self) -> None:
+        self._devices: dict[int, Any] = {}
+
+    def describe(self, obj: Any, name: str) -> ArrayView:
+        if obj.device.type != "cuda":
+            raise TypeError(
+                f"{name}: expected a torch tensor on a CUDA device, got one on {obj.device}; move it with .cuda()"
+            )
+        if obj.is_neg() or obj.is_conj():
+            raise TypeError(
+                f"{name}: expected a tensor without torch's lazy negation or conjugation (a view such as "
+                f"x.conj().imag); materialise it with .resolve_neg() / .resolve_conj()"
+            )
+        ptr = obj.data_ptr()
+        if ptr == 0 and obj.numel() > 0:
+            raise ValueError(
+                f"{name}: expected a tensor with memory, got a null data pointer (freed storage?)"
+            )
+        return ArrayView(
+            ptr, tuple(obj.shape), obj.stride(), _dtype_name(obj.dtype), obj.element_size(), obj.get_device()
+        )
+
+    def current_stream(self, device: int) -> int:
+        torch = torch_module()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            # The public torch.cuda.current_stream() builds a Stream object: ~5 us.
+            return raw(device)
+        return torch.cuda.current_stream(device).cuda_stream
+
+    def empty(self, shape: tuple[int, ...], dtype: str, device: int, stream: int | None) -> Any:
+        torch = torch_module()
+        where = self._devices.get(device)
+        if where is None:
+            where = self._devices.setdefault(device, torch.device("cuda", device))
+        if stream is None:
+            return torch.empty(shape, dtype=getattr(torch, dtype), device=where)
+        # torch's caching allocator reuses a block only after the stream it was allocated on.
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=where)):
+            return torch.empty(shape, dtype=getattr(torch, dtype), device=where)
+
+
+CUPY = CupyAdapter()
+TORCH = TorchAdapter()
+JAX = JaxAdapter()
+FOREIGN = ForeignAdapter()
+
+
+def adapter_for(obj: Any, name: str) -> Adapter:
+    """The adapter of ``obj``'s kind, or ``TypeError`` naming ``name`` (host arrays included)."""
+    if isinstance(obj, cupy.ndarray):
+        return CUPY
+    torch = torch_module()
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return TORCH
+    if type(obj).__module__.startswith(("jax", "jaxlib")):
+        return JAX
+    if isinstance(obj, numpy.ndarray):
+        raise TypeError(
+            f"{name}: expected an array in GPU memory (CuPy array, torch CUDA tensor or "
+            f"DLPack CUDA array), got a NumPy array in host memory; move it with cupy.asarray()"
+        )
+    if hasattr(obj, "__cuda_array_interface__") or (
+        hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__")
+    ):
+        return FOREIGN
+    raise TypeError(
+        f"{name}: expected a CuPy array, a torch CUDA tensor or a CUDA array exposing "
+        f"__dlpack__ or __cuda_array_interface__, got {type(obj).__module__}.{type(obj).__name__}"
+    )
+
+
+def describe(obj: Any, name: str) -> ArrayView:
+    """Reduce a user array to an :class:`ArrayView`, or raise naming ``name``."""
+    return adapter_for(obj, name).describe(obj, name)
+
+
+def as_cupy(obj: Any, name: str = "array") -> cupy.ndarray:
+    """A zero-copy CuPy view of a device array from another producer."""
+    if isinstance(obj, cupy.ndarray):
+        return obj
+    if hasattr(obj, "__cuda_array_interface__"):
+        return cupy.asarray(obj)
+    device_type, _ = obj.__dlpack_device__()
+    if int(device_type) not in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
+        raise TypeError(
+            f"{name}: expected an array in GPU memory, got a {type(obj).__name__} whose "
+            f"DLPack device type is {int(device_type)} (1 is the CPU, 2 is CUDA)"
+        )
+    return cupy.from_dlpack(obj)
+
+
+_torch_tensor: type | None = None
+
+
+def fingerprints(arrays: tuple) -> tuple | None:
+    """What identifies the arrays for planning, flat: pointer, shape, strides, dtype and device of
+    each (and torch's negation bit), or ``None`` when one of them has no cheap fingerprint (JAX,
+    DLPack, other producers). A missing optional array is a known value (``None``)."""
+    global _torch_tensor
+    parts: list = []
+    for obj in arrays:
+        cls = type(obj)
+        if cls is _torch_tensor:
+            parts += (obj.data_ptr(), obj.shape, obj.stride(), obj.dtype, obj.get_device(), obj.is_neg())
+        elif cls is cupy.ndarray:
+            data = obj.data
+            parts += (data.ptr, obj.shape, obj.strides, obj.dtype, data.device_id)
+        elif obj is None:
+            parts.append(None)
+        else:
+            torch = torch_module()
+            if _torch_tensor is None and torch is not None and cls is torch.Tensor:
+                _torch_tensor = cls  # torch was imported after this module: learn its tensor type once
+                return fingerprints(arrays)
+            return None
+    return tuple(parts)
+
+
+def stream_pointer(stream: Any) -> int:
+    """The raw ``cudaStream_t`` of a stream given by the caller.
+
+    ``stream`` may be a CuPy or torch stream, an object with ``__cuda_stream__``
+    (CUDA Python protocol), or a raw pointer as ``int``.
+    """
+    if isinstance(stream, int) and not isinstance(stream, bool) and stream >= 0:
+        return stream
+    for attribute in ("ptr", "cuda_stream"):
+        value = getattr(stream, attribute, None)
+        if isinstance(value, int):
+            return value
+    protocol = getattr(stream, "__cuda_stream__", None)
+    if protocol is not None:
+        return int(protocol()[1])
+    raise TypeError(
+        f"stream: expected None, an int cudaStream_t, a CuPy or torch stream, or an object "
+        f"with __cuda_stream__, got {stream!r}"
+    )
 
 
 def to_numpy(array: Any) -> numpy.ndarray:
     """A host copy of a device array (synchronises with the stream that produced it)."""
     if hasattr(array, "detach"):
         return array.detach().cpu().numpy()
-    if not isinstance(array, cupy.ndarray):
-        array = cupy.asarray(array) if hasattr(array, "__cuda_array_interface__") else from_dlpack(array)
-    return cupy.asnumpy(array)
-
-
-def to_caller_kind(array: Any, kind: str) -> Any:
-    """Hand a result back as the caller's kind: JAX in, JAX out; other producers get CuPy."""
-    if kind == "jax":
-        import jax.dlpack
-
-        return jax.dlpack.from_dlpack(array)
-    return array
+    return cupy.asnumpy(as_cupy(array))

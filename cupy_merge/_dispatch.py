@@ -1,158 +1,225 @@
-"""The per-call fast path: recognise a repeated call by its arrays and relaunch its prepared kernel.
+"""The one call sequence every merge goes through, and the operations it serves.
 
-Serving loops call a merge on the same buffers step after step. A call's
-*fingerprint* is the data pointer, shape, strides and dtype of each CuPy array
-or torch tensor it was given, plus its scalar options; everything the checks and
-the plan depend on. The first call with a fingerprint takes the full path
-(describe, check, plan, pack the arguments); a repeat skips straight to
-``cuLaunchKernel``. Pointers are unique across devices (CUDA's unified address
-space), so the device need not be part of the fingerprint. Other array kinds
-(DLPack, ``__cuda_array_interface__``) always take the full path.
+A public merge normalises its options (``_checks``), lists its arrays in its
+operation's order and calls :func:`call`:
+
+1. *fingerprint* the arrays (pointer, shape, strides, dtype, device of each);
+2. *look up* the prepared call for that fingerprint and the options;
+3. on a miss, *prepare* it: describe every array (``_arrays``), check every rule
+   (``_checks``), choose the launch (``_plan``), compile and pack it (``_kernels``);
+4. *remember* it (only calls whose every array has a fingerprint);
+5. *run* it: allocate the outputs the caller did not give, on the stream that
+   writes them, patch their pointers in, and launch.
+
+:func:`prepare` is also what ``bind`` uses, once, with nothing cached.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
-import threading
 from typing import Any, NamedTuple
 
-import cupy
+from . import _arrays, _checks, _kernels, _plan
+from ._arrays import ArrayView
+from ._catalogue import ITEMSIZES
 
-from . import _arrays, _kernels, _plan
-
-_NOT_AN_ARRAY: tuple = ()
-UNSET = object()  # stands for an option left at None inside keys, where None means "not cacheable"
-_torch_tensor: type | None = None
-_calls: dict[tuple, Call] = {}
 _MAX_CALLS = 4096
+_calls: dict[tuple, Call] = {}
+
+#: Passed as ``stream`` by ``bind``: the merge returns its prepared call instead of running.
+PREPARE = object()
+
+OUT, OUT_LSE = 0, 1  # every operation's arrays start with its two outputs
 
 
-class FreshOutputs(NamedTuple):
-    """Outputs a call allocates anew each time: ``(shape, dtype name)`` of ``out`` and
-    ``shape`` of ``out_lse``, each None where the caller passes its own."""
+class Operation(NamedTuple):
+    """A public merge as the dispatcher sees it.
 
-    values: tuple | None
-    lse: tuple | None
+    ``names`` spell the arguments as the public function does, in the order of its
+    arrays: ``(out, out_lse, v_a, s_a, v_b, s_b, mask)`` for two-way merges,
+    ``(out, out_lse, v, s, indptr)`` for N-way ones.
+    """
+
+    name: str
+    names: _checks.TwoStateNames | _checks.ManyStateNames
+    many: bool  # N-way (plan_many_states) or two-way
+    allocates: bool  # outputs left as None are allocated (else out_lse None is simply not written)
+    returns: bool  # the public function returns (out, out_lse)
+    optional: frozenset[int]  # positions that may be None
+
+    @classmethod
+    def two_states(
+        cls, name: str, names: _checks.TwoStateNames, *, allocates: bool, returns: bool
+    ) -> Operation:
+        optional = {OUT_LSE, 6} | ({OUT} if allocates else set())
+        return cls(name, names, False, allocates, returns, frozenset(optional))
+
+    @classmethod
+    def many_states(cls, name: str, *, ragged: bool) -> Operation:
+        optional = {OUT, OUT_LSE} | (set() if ragged else {4})
+        return cls(name, _checks.ManyStateNames(), True, True, True, frozenset(optional))
+
+
+class FreshOutput(NamedTuple):
+    """An output allocated anew on each run: its position in the arrays and its kernel argument slot."""
+
+    position: int
+    slot: int
+    shape: tuple[int, ...]
+    dtype: str
 
 
 class Call(NamedTuple):
-    prepared: _kernels.PreparedLaunch | None  # None: nothing to launch (an empty array)
-    kind: str
+    launch: _kernels.PreparedLaunch | None  # None: nothing to launch (no tokens or heads)
+    adapter: _arrays.Adapter  # results are handed back in its kind
     device: int
-    fresh: FreshOutputs | None = None  # set on calls that allocate their outputs
+    fresh: tuple[FreshOutput, ...]
+    indptr_rows: int | None  # set when indptr's values are checked on the host on each run
 
 
-def fingerprint(obj: Any) -> tuple | None:
-    """What identifies an array for planning, or ``None`` when it must take the full path."""
-    cls = type(obj)
-    if cls is cupy.ndarray:
-        return (obj.data.ptr, obj.shape, obj.strides, obj.dtype)
-    if cls is _torch_tensor:
-        return (obj.data_ptr(), obj.shape, obj.stride(), obj.dtype)
-    if obj is None:
-        return _NOT_AN_ARRAY
-    _learn_torch()
-    return None
+class Prepared(NamedTuple):
+    """What a merge returns when called with ``stream=PREPARE``."""
+
+    operation: Operation
+    call: Call
+    arrays: tuple
 
 
-def _learn_torch() -> None:
-    global _torch_tensor
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        _torch_tensor = torch.Tensor
+def call(operation: Operation, options: tuple, arrays: tuple, stream: Any) -> Any:
+    """Run one merge: the cached prepared call for these arrays and options, or a new one."""
+    if stream is PREPARE:
+        return Prepared(operation, prepare(operation, options, arrays), arrays)
+    fingerprint = _arrays.fingerprints(arrays)
+    if fingerprint is None:  # an array kind without a cheap fingerprint: always the full path
+        return run(operation, prepare(operation, options, arrays), arrays, stream)
+    key = (operation.name, options, fingerprint)
+    prepared = _calls.get(key)
+    if prepared is None:
+        prepared = prepare(operation, options, arrays)
+        if len(_calls) >= _MAX_CALLS:
+            _calls.clear()
+        _calls[key] = prepared
+    return run(operation, prepared, arrays, stream)
 
 
-def lookup(key: tuple) -> Call | None:
-    """The prepared call for ``key``; keys start with the public function's name, so two
-    functions given the same arrays never share a launch."""
-    try:
-        return _calls.get(key)
-    except TypeError:  # an unhashable option; the full path reports it
-        return None
+def prepare(operation: Operation, options: tuple, arrays: tuple) -> Call:
+    """Describe, check and plan one merge, and pack its launch; nothing runs on the GPU."""
+    names = operation.names
+    primary = 2  # v_a or v: results come back in its kind
+    adapter = _arrays.adapter_for(arrays[primary], names[primary])
+    views: list[ArrayView | None] = [None] * len(arrays)
+    for position in [*range(primary, len(arrays)), OUT, OUT_LSE]:  # inputs first
+        obj = arrays[position]
+        if obj is None and position in operation.optional:
+            continue
+        kind = _arrays.adapter_for(obj, names[position])
+        if position in (OUT, OUT_LSE) and not kind.writable:
+            raise TypeError(
+                f"{names[position]}: JAX arrays are immutable and cannot be written in place; leave it out "
+                f"(merge_state and merge_states return new arrays) or pass a CuPy array or torch tensor"
+            )
+        views[position] = kind.describe(obj, names[position])
+    planned = plan_call(operation, options, views)
+    launch = None if planned.plan is None else _kernels.prepare(planned.plan, planned.device)
+    return Call(launch, adapter, planned.device, planned.fresh, planned.indptr_rows)
 
 
-def remember(key: tuple, call: Call) -> None:
-    if None in key:  # an array without a fingerprint: never cached
-        return
-    if len(_calls) >= _MAX_CALLS:
-        _calls.clear()
-    _calls[key] = call
+class Planned(NamedTuple):
+    plan: _plan.LaunchPlan | None
+    device: int
+    fresh: tuple[FreshOutput, ...]
+    indptr_rows: int | None
 
 
-def prepare_call(plan, kind: str, device: int) -> Call:
-    return Call(None if plan is None else _kernels.prepare(plan, device), kind, device)
+def plan_call(operation: Operation, options: tuple, views: list[ArrayView | None]) -> Planned:
+    """Every check of one merge and its launch plan, from the arrays' views: pure and GPU-free.
 
-
-def fresh_outputs(new_out: bool, new_lse: bool, state, out_dtype_name: str) -> FreshOutputs:
-    """What a repeat of a call allocates: ``out`` and/or ``out_lse``, as the first call did."""
-    values = ((state.num_tokens, state.num_heads, state.head_size), out_dtype_name) if new_out else None
-    return FreshOutputs(values, (state.num_heads, state.num_tokens) if new_lse else None)
-
-
-def run_with_fresh_outputs(call: Call, like: Any, out: Any, out_lse: Any, stream: Any) -> tuple[Any, Any]:
-    """Repeat an allocating call: allocate its outputs, point its prepared launch at them, run.
-
-    Fresh allocations are aligned and never overlap the inputs, so the plan made for
-    the first call's outputs holds for any later ones; only the pointers change.
+    Outputs the caller left out (``None``, where the operation allocates) are
+    planned as fresh C-contiguous arrays; their pointers are patched in on each run.
     """
-    if call.fresh.values is None and call.fresh.lse is None:
-        run(call, stream)  # the caller gave both outputs: the cached launch as it is
-        return out, out_lse
+    names = operation.names
+    if operation.many:
+        state, num_states = _checks.check_many_inputs(views[2], views[3], views[4], names)
+    else:
+        state = _checks.check_two_inputs(views[2], views[3], views[4], views[5], names)
+    views = list(views)
+    out_dtype = options.out_dtype
+    if out_dtype is not None and views[OUT] is not None and views[OUT].dtype != out_dtype:
+        raise TypeError(
+            f"out_dtype: expected the dtype of {names.out} ({views[OUT].dtype}) or None, got {out_dtype!r}"
+        )
+    fresh_shapes = []
+    if operation.allocates:
+        values_shape = (state.num_tokens, state.num_heads, state.head_size)
+        for position, shape, dtype in (
+            (OUT, values_shape, out_dtype or state.dtype),
+            (OUT_LSE, (state.num_heads, state.num_tokens), "float32"),
+        ):
+            if views[position] is None:
+                views[position] = _fresh_view(shape, dtype, state.device)
+                fresh_shapes.append((position, shape, dtype))
+
+    if operation.many:
+        _checks.check_many_states(*views, state, names)
+        plan = _plan.plan_many_states(state, num_states, *views, options)
+    else:
+        _checks.check_two_states(*views, state, names)
+        plan = _plan.plan_two_states(state, *views, options)
+
+    slots = {OUT: plan.out_slot, OUT_LSE: plan.out_lse_slot} if plan is not None else {OUT: 0, OUT_LSE: 0}
+    fresh = tuple(
+        FreshOutput(position, slots[position], shape, dtype) for position, shape, dtype in fresh_shapes
+    )
+    indptr_rows = num_states if operation.many and views[4] is not None and options.check_indptr else None
+    return Planned(plan, state.device, fresh, indptr_rows)
+
+
+def _fresh_view(shape: tuple[int, ...], dtype: str, device: int) -> ArrayView:
+    """An output to be allocated: C-contiguous, aligned, sharing memory with nothing (null until allocated)."""
+    strides, step = [], 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= extent
+    return ArrayView(0, shape, tuple(reversed(strides)), dtype, ITEMSIZES[dtype], device)
+
+
+def run(operation: Operation, prepared: Call, arrays: tuple, stream: Any) -> Any:
+    """Launch a prepared call on ``stream`` (default: the current stream of the arrays' kind)."""
+    adapter, device = prepared.adapter, prepared.device
+    stream_ptr = adapter.current_stream(device) if stream is None else _arrays.stream_pointer(stream)
+    check_values(operation, prepared, arrays)
+    out, out_lse = arrays[OUT], arrays[OUT_LSE]
+    if prepared.fresh:
+        out, out_lse, patches = allocate(prepared, out, out_lse, None if stream is None else stream_ptr)
+        if prepared.launch is not None:
+            _kernels.launch_patched(prepared.launch, stream_ptr, patches)
+    elif prepared.launch is not None:
+        _kernels.launch(prepared.launch, stream_ptr)
+    if not operation.returns:
+        return None
+    return adapter.result(out), adapter.result(out_lse)
+
+
+def check_values(operation: Operation, prepared: Call, arrays: tuple) -> None:
+    """The checks of argument *values* that run on every call: a ragged merge's indptr, when asked."""
+    if prepared.indptr_rows is not None:
+        _checks.indptr_values(_arrays.to_numpy(arrays[4]), prepared.indptr_rows, operation.names.indptr)
+
+
+def allocate(prepared: Call, out: Any, out_lse: Any, stream: int | None) -> tuple[Any, Any, list]:
+    """The call's fresh outputs, allocated for ``stream`` (None: the current one), and their pointer patches."""
+    adapter, device = prepared.adapter, prepared.device
+    if stream is not None and stream == adapter.current_stream(device):
+        stream = None
     patches = []
-    if call.fresh.values is not None:
-        out = _arrays.empty(like, call.kind, *call.fresh.values, call.device)
-        patches.append((_plan.OUT_ARGUMENT, _arrays.data_pointer(out)))
-    if call.fresh.lse is not None:
-        out_lse = _arrays.empty(like, call.kind, call.fresh.lse, "float32", call.device)
-        patches.append((_plan.OUT_LSE_ARGUMENT, _arrays.data_pointer(out_lse)))
-    prepared = None if call.prepared is None else _kernels.with_pointers(call.prepared, patches)
-    run(Call(prepared, call.kind, call.device), stream)
-    return out, out_lse
+    for fresh in prepared.fresh:
+        array = adapter.empty(fresh.shape, fresh.dtype, device, stream)
+        patches.append((fresh.slot, _data_pointer(array)))
+        if fresh.position == OUT:
+            out = array
+        else:
+            out_lse = array
+    return out, out_lse, patches
 
 
-def run(call: Call, stream: Any) -> None:
-    if _capturing and _take_captured(call):
-        return
-    stream_ptr = _arrays.stream_pointer(
-        stream, call.kind, call.device
-    )  # checked even when there is nothing to do
-    if call.prepared is not None:
-        _kernels.launch_prepared(call.prepared, stream_ptr)
-
-
-# bind() plans a merge without launching it: inside capture(), run() hands its call
-# over instead. The module-wide count keeps run()'s common case to one global read.
-_capturing = 0
-_capturing_lock = threading.Lock()  # += on a global is not atomic across threads
-_capture_slot = threading.local()
-
-
-class _Captured:
-    call: Call | None = None
-
-
-@contextlib.contextmanager
-def capture():
-    """Inside this block, on this thread, ``run`` records its call instead of launching it."""
-    global _capturing
-    captured = _Captured()
-    _capture_slot.target = captured
-    with _capturing_lock:
-        _capturing += 1
-    try:
-        yield captured
-    finally:
-        with _capturing_lock:
-            _capturing -= 1
-        _capture_slot.target = None
-    if captured.call is None:
-        raise RuntimeError("bind: the merge planned no launch")  # every merge runs exactly once
-
-
-def _take_captured(call: Call) -> bool:
-    target = getattr(_capture_slot, "target", None)
-    if target is None:
-        return False
-    target.call = call
-    return True
+def _data_pointer(array: Any) -> int:
+    return array.data_ptr() if hasattr(array, "data_ptr") else array.data.ptr

@@ -1,311 +1,129 @@
-"""Launch configuration, and the two-way merge's checks and plan: pure functions of :class:`ArrayView`.
+"""Launch choices: which kernel, vector width, block, grid and arguments. Pure and GPU-free.
 
-Nothing here touches a GPU, so every rule (shapes, dtypes, strides, devices,
-aliasing) and every launch choice is testable on a machine without one.
+Every function here takes arrays that already passed ``_checks``. Two kernel
+families serve each merge (``_catalogue``): *packed* kernels for the common
+layouts (each value array's heads back to back in rows that start on a
+16-byte pack, every offset within 32 bits), one thread a pack, few registers;
+and *strided* kernels for everything else (any strides, narrow packs, 64-bit
+offsets).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
-from . import _checks as check
+from . import _catalogue as cat
 from ._arrays import ArrayView
-from ._checks import VALUE_CTYPES
+from ._checks import StateShape
 
-#: Elements per vector pack the kernels are instantiated for, by the smaller element
-#: size of input and output: 16-byte packs where shapes and alignment allow.
-VECTOR_WIDTHS = {4: (4, 2, 1), 2: (8, 4, 2, 1)}
-
-#: Measured on the H200 (docs/PERF.md): 64-thread blocks beat 128-1024 thread ones.
-THREADS_PER_BLOCK = 64
-#: Tokens each thread of the two-way kernel owns (its template parameter ROWS):
-#: 2 measured 8-12 points of copy speed above 1 and 4 from tens of MB; below
-#: SMALL_TRAFFIC_BYTES one row a thread (twice the threads, each done sooner)
-#: measured 0.03-0.45 us faster (docs/PERF.md, sweep 10).
-ROWS_PER_THREAD = 2
-SMALL_ROWS_PER_THREAD = 1
-SMALL_TRAFFIC_BYTES = 32_000_000
-ROWS_INSTANTIATED = (1, 2, 4)
-#: Rows per thread when the first packs are staged through shared memory with
-#: cp.async (16-byte packs only; see the kernel), and whether to do so. Staging 4
-#: rows measured 0-3 points of copy speed better from about 200 MB of traffic and
-#: up to 11 points worse below it, where the direct loads stay (docs/PERF.md).
-ASYNC_LOADS = True
-ASYNC_MIN_TRAFFIC_BYTES = 200_000_000
-ASYNC_ROWS_PER_THREAD = 4
-ASYNC_ROWS_INSTANTIATED = (2, 4, 8)
-#: Offset types instantiated; ``index_type`` picks one per call. The staged
-#: two-way kernels (200 MB and up) measured 1-2 points faster with 64-bit offsets
-#: and exist only in that width (docs/PERF.md).
-INDEX_TYPES = ("int", "long long")
-STAGED_INDEX = "long long"
-INDEX_32 = True
+#: Offsets are 32-bit when every array's elements lie within this many of its
+#: start (2**30, not 2**31, leaves room for the sums a grid-stride loop forms past the last item).
 INDEX_32_LIMIT = 2**30
-#: Work items beyond this many blocks are looped over inside the kernel.
+#: Work items beyond this many blocks are looped over inside the strided kernels.
 MAX_GRID_X = 2**31 - 1
+#: Set False to plan every merge on the strided kernels (the tests run both families).
+PACKED_KERNELS = True
 
-TWO_STATES_SOURCE = "merge_two_states.cu"
-MANY_STATES_SOURCE = "merge_many_states.cu"
+# Strided kernels. Measured on the H200 (docs/PERF.md): 64-thread blocks beat 128-1024;
+# two rows a thread 8-12 points of copy speed above one, and one below 32 MB of traffic
+# 0.03-0.45 us faster (sweep 10).
+STRIDED_THREADS = 64
+STRIDED_SMALL_TRAFFIC = 32_000_000
 
+# Packed kernels (docs/PERF.md, session 4 sweeps 1 and 2): 128-thread blocks measured
+# 0-3 points of copy speed above 256 and 512; loads with the .cs hint below 64 MB of
+# traffic (up to 3 points faster there), plain loads from 64 MB (5-10 points faster).
+PACKED_TWO_THREADS = 128
+PACKED_MANY_THREADS = 128
+PACKED_STREAMING_BELOW = 64_000_000
 
-class StateShape(NamedTuple):
-    num_tokens: int
-    num_heads: int
-    head_size: int
-    dtype: str
-    device: int
+# N-way splits: when rows alone give fewer than BUSY_THREADS threads, a row's states are
+# split over up to MAX_SPLITS thread groups of one block (docs/PERF.md).
+BUSY_THREADS = 128 * 1024
+MAX_SPLITS = 16
+MAX_BLOCK_THREADS = 256
 
 
 class LaunchPlan(NamedTuple):
-    """One kernel launch; ``module`` is (source file, input dtype, output dtype)."""
+    """One kernel launch; ``out_slot``/``out_lse_slot`` are where its output pointers sit in ``args``."""
 
-    module: tuple[str, str, str]
+    module: cat.Module
     kernel: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     args: tuple[int, ...]
-    shared_bytes: int = 0
-
-
-class TwoStateNames(NamedTuple):
-    """Argument names as the public function spells them, for error messages."""
-
-    out: str
-    out_lse: str
-    v_a: str
-    s_a: str
-    v_b: str
-    s_b: str
-    mask: str = "mask"
+    shared_bytes: int
+    out_slot: int
+    out_lse_slot: int
 
 
 class TwoStateOptions(NamedTuple):
-    """Per-call conventions: LSE base flag (0 = e, 1 = 2) and the first token copied from b."""
+    """Normalised options of a two-way merge (``_checks``): LSE base flag, first token copied from b, output dtype."""
 
     lse_base_2: int = 0
     merge_tokens: int | None = None
+    out_dtype: str | None = None
 
 
-DEFAULT_OPTIONS = TwoStateOptions()
+class ManyStateOptions(NamedTuple):
+    lse_base_2: int = 0
+    out_dtype: str | None = None
+    check_indptr: bool = False
 
-
-def vector_widths(in_dtype: str, out_dtype: str) -> tuple[int, ...]:
-    return VECTOR_WIDTHS[4 if in_dtype == out_dtype == "float32" else 2]
-
-
-def module_kernel_names(source: str, in_dtype: str, out_dtype: str) -> list[str]:
-    """Every kernel instantiation compiled together in one module."""
-    widths = vector_widths(in_dtype, out_dtype)
-    if source == TWO_STATES_SOURCE:
-        full_pack = 16 // ITEMSIZES[in_dtype]
-        direct = [
-            two_state_kernel_name(in_dtype, out_dtype, vec, rows, False, index)
-            for vec in widths
-            for rows in ROWS_INSTANTIATED
-            for index in INDEX_TYPES
-        ]
-        staged = [
-            two_state_kernel_name(in_dtype, out_dtype, full_pack, rows, True, STAGED_INDEX)
-            for rows in ASYNC_ROWS_INSTANTIATED
-        ]
-        return direct + (staged if full_pack in widths else [])
-    return [
-        many_state_kernel_name(in_dtype, out_dtype, vec, split, index)
-        for vec in widths
-        for split in (False, True)
-        for index in INDEX_TYPES
-    ]
-
-
-def all_modules() -> list[tuple[str, str, str]]:
-    return [
-        (source, a, b)
-        for source in (TWO_STATES_SOURCE, MANY_STATES_SOURCE)
-        for a in VALUE_CTYPES
-        for b in VALUE_CTYPES
-    ]
-
-
-ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def two_state_kernel_name(
-    in_dtype: str, out_dtype: str, vec: int, rows: int, staged: bool = False, index: str = "long long"
-) -> str:
-    ctypes = f"{VALUE_CTYPES[in_dtype]}, {VALUE_CTYPES[out_dtype]}"
-    return f"cupy_merge::merge_two_states<{ctypes}, {vec}, {rows}, {str(staged).lower()}, {index}>"
-
-
-def many_state_kernel_name(
-    in_dtype: str, out_dtype: str, vec: int, split: bool = False, index: str = "long long"
-) -> str:
-    ctypes = f"{VALUE_CTYPES[in_dtype]}, {VALUE_CTYPES[out_dtype]}"
-    return f"cupy_merge::merge_many_states<{ctypes}, {vec}, {str(split).lower()}, {index}>"
-
-
-def kernel_template_arguments(kernel: str) -> list[str]:
-    """``"ns::f<A, B, 8>"`` -> ``["A", "B", "8"]``: a planned kernel's template arguments."""
-    return kernel[kernel.index("<") + 1 : -1].split(", ")
-
-
-def index_type(views: list[ArrayView | None], rows: int) -> str:
-    """The kernels' integer type for element offsets: 32-bit when every offset fits.
-
-    32-bit offsets take fewer registers and instructions (the N-way kernel gained
-    up to 12 points of copy speed, docs/PERF.md). The bound, 2**30 rather than
-    2**31, leaves room for the sums a grid-stride loop forms past the last item.
-    ``rows`` (tokens x heads) is bounded too: with head_size 0 no array spans it.
-    """
-    if not INDEX_32 or rows >= INDEX_32_LIMIT:
-        return "long long"
-    for view in views:
-        if view is not None and view.shape and min(view.shape) > 0:
-            extent = sum((n - 1) * abs(stride) for n, stride in zip(view.shape, view.strides))
-            if extent >= INDEX_32_LIMIT:
-                return "long long"
-    return "int"
-
-
-def check_two_states(
-    v_a: ArrayView, s_a: ArrayView, v_b: ArrayView, s_b: ArrayView, names: TwoStateNames
-) -> StateShape:
-    """Check the two input states against each other and return their common shape."""
-    check.expect_ndim(v_a, 3, names.v_a, "[num_tokens, num_heads, head_size]")
-    check.expect_ndim(v_b, 3, names.v_b, "[num_tokens, num_heads, head_size]")
-    check.expect_ndim(s_a, 2, names.s_a, "[num_heads, num_tokens]")
-    check.expect_ndim(s_b, 2, names.s_b, "[num_heads, num_tokens]")
-    check.expect_value_dtype(v_a, names.v_a)
-    check.expect_same_dtype(v_b, v_a, names.v_b, names.v_a)
-    check.expect_float32(s_a, names.s_a)
-    check.expect_float32(s_b, names.s_b)
-    check.expect_shape(v_b, v_a.shape, names.v_b, f"the shape of {names.v_a}")
-    num_tokens, num_heads, head_size = v_a.shape
-    lse_shape = (num_heads, num_tokens)
-    check.expect_lse_shape(s_a, lse_shape, names.s_a, names.v_a)
-    check.expect_lse_shape(s_b, lse_shape, names.s_b, names.v_a)
-    check.expect_unit_last_stride(v_a, names.v_a)
-    check.expect_unit_last_stride(v_b, names.v_b)
-    for view, name in ((v_b, names.v_b), (s_a, names.s_a), (s_b, names.s_b)):
-        check.expect_device(view, v_a.device, name, names.v_a)
-    return StateShape(num_tokens, num_heads, head_size, v_a.dtype, v_a.device)
-
-
-@functools.lru_cache(maxsize=4096)
-def plan_two_way(
-    out: ArrayView,
-    out_lse: ArrayView | None,
-    v_a: ArrayView,
-    s_a: ArrayView,
-    v_b: ArrayView,
-    s_b: ArrayView,
-    names: TwoStateNames,
-    mask: ArrayView | None = None,
-    options: TwoStateOptions = DEFAULT_OPTIONS,
-) -> LaunchPlan | None:
-    """Check everything and plan the launch, remembered per set of views.
-
-    Failures are never cached (``lru_cache`` does not store exceptions).
-    """
-    state = check_two_states(v_a, s_a, v_b, s_b, names)
-    return plan_merge_two(state, out, out_lse, v_a, s_a, v_b, s_b, names, mask, options)
-
-
-def plan_merge_two(
-    state: StateShape,
-    out: ArrayView,
-    out_lse: ArrayView | None,
-    v_a: ArrayView,
-    s_a: ArrayView,
-    v_b: ArrayView,
-    s_b: ArrayView,
-    names: TwoStateNames,
-    mask: ArrayView | None = None,
-    options: TwoStateOptions = DEFAULT_OPTIONS,
-) -> LaunchPlan | None:
-    """Check the outputs and choose the launch; ``None`` when there is nothing to write."""
-    num_tokens, num_heads, head_size = state.num_tokens, state.num_heads, state.head_size
-    check_outputs(out, out_lse, state, names.out, names.out_lse, names.v_a)
-    inputs = [(v_a, names.v_a), (s_a, names.s_a), (v_b, names.v_b), (s_b, names.s_b)]
-    if mask is not None:
-        check.expect_token_mask(mask, num_tokens, state.device, names.mask, names.v_a)
-        inputs.append((mask, names.mask))
-    outputs = [(out, names.out)] + ([] if out_lse is None else [(out_lse, names.out_lse)])
-    check.expect_no_partial_overlap(outputs, inputs)
-
-    if num_tokens == 0 or num_heads == 0:
-        return None
-    vec = choose_vector_width([out, v_a, v_b], head_size, vector_widths(state.dtype, out.dtype))
-    threads_x, rows_y = choose_block(head_size // vec, num_tokens)
-    traffic = num_tokens * num_heads * head_size * (2 * v_a.itemsize + out.itemsize)
-    staged = ASYNC_LOADS and vec * v_a.itemsize == 16 and traffic >= ASYNC_MIN_TRAFFIC_BYTES
-    rows = choose_rows_per_thread(num_tokens, rows_y, staged, traffic < SMALL_TRAFFIC_BYTES)
-    shared_bytes = 2 * rows * threads_x * rows_y * 16 if staged else 0
-    grid = (min(-(-num_tokens // (rows_y * rows)) * num_heads, MAX_GRID_X), 1, 1)
-    lse_out = out_lse if out_lse is not None else NO_ARRAY
-    mask_view = mask if mask is not None else NO_ARRAY
-    merge_tokens = num_tokens if options.merge_tokens is None else min(options.merge_tokens, num_tokens)
-    lse_is_input = int(out_lse is not None and out_lse in (s_a, s_b))
-    args = (
-        out.ptr, lse_out.ptr, v_a.ptr, s_a.ptr, v_b.ptr, s_b.ptr, mask_view.ptr,
-        num_tokens, num_heads, head_size, merge_tokens,
-        *out.strides[:2], *v_a.strides[:2], *v_b.strides[:2],
-        *lse_out.strides, *s_a.strides, *s_b.strides,
-        mask_view.strides[0], options.lse_base_2, lse_is_input,
-    )  # fmt: skip
-    index = (
-        STAGED_INDEX
-        if staged
-        else index_type([out, out_lse, v_a, s_a, v_b, s_b, mask], num_tokens * num_heads)
-    )
-    kernel = two_state_kernel_name(state.dtype, out.dtype, vec, rows, staged, index)
-    block = (threads_x, rows_y, 1)
-    return LaunchPlan((TWO_STATES_SOURCE, state.dtype, out.dtype), kernel, grid, block, args, shared_bytes)
-
-
-#: Where every plan puts the output pointers in its kernel arguments (both kernels
-#: take ``out, out_lse`` first), so a repeated allocating call can swap in fresh ones.
-OUT_ARGUMENT, OUT_LSE_ARGUMENT = 0, 1
 
 #: Stands in for an optional array that was not given (a null pointer, strides 0).
 NO_ARRAY = ArrayView(0, (0, 0), (0, 0), "float32", 4, 0)
 
 
-def check_outputs(
-    out: ArrayView,
-    out_lse: ArrayView | None,
-    state: StateShape,
-    out_name: str,
-    out_lse_name: str,
-    like_name: str,
-) -> None:
-    """``out`` [tokens, heads, head_size] of any value dtype; ``out_lse`` float32 [heads, tokens]."""
-    num_tokens, num_heads, head_size = state.num_tokens, state.num_heads, state.head_size
-    check.expect_ndim(out, 3, out_name, "[num_tokens, num_heads, head_size]")
-    check.expect_value_dtype(out, out_name)
-    check.expect_shape(
-        out,
-        (num_tokens, num_heads, head_size),
-        out_name,
-        f"[num_tokens, num_heads, head_size] of {like_name}",
-    )
-    check.expect_unit_last_stride(out, out_name)
-    check.expect_device(out, state.device, out_name, like_name)
-    if out_lse is not None:
-        check.expect_ndim(out_lse, 2, out_lse_name, "[num_heads, num_tokens]")
-        check.expect_float32(out_lse, out_lse_name)
-        check.expect_lse_shape(out_lse, (num_heads, num_tokens), out_lse_name, like_name)
-        check.expect_device(out_lse, state.device, out_lse_name, like_name)
+class FastDivisor(NamedTuple):
+    """``n // divisor == (umulhi(n, multiplier) + n) >> shift`` for 0 <= n < 2**31 (as the kernels compute)."""
+
+    divisor: int
+    multiplier: int
+    shift: int
 
 
-def choose_vector_width(
-    values: list[ArrayView], head_size: int, widths: tuple[int, ...] | None = None
-) -> int:
+def fast_divisor(divisor: int) -> FastDivisor:
+    if not 1 <= divisor < 2**31:
+        raise ValueError(f"divisor out of range: {divisor}")
+    shift = (divisor - 1).bit_length()  # ceil(log2(divisor))
+    multiplier = (2**32 * (2**shift - divisor)) // divisor + 1 if divisor > 1 else 0
+    return FastDivisor(divisor, multiplier, shift)
+
+
+def fast_divide(n: int, divisor: FastDivisor) -> int:
+    """What the kernels' ``fast_divide`` computes, in 32-bit unsigned arithmetic."""
+    high = (n * divisor.multiplier) >> 32
+    return ((high + n) & 0xFFFFFFFF) >> divisor.shift
+
+
+# -- shared choices -----------------------------------------------------------------------------
+
+
+def index_type(views: list[ArrayView | None], rows: int, num_states: int = 0) -> str:
+    """The strided kernels' integer type for element offsets: 32-bit when every offset fits.
+
+    32-bit offsets take fewer registers and instructions (the N-way kernel gained
+    up to 12 points of copy speed, docs/PERF.md). ``rows`` (tokens x heads) and
+    ``num_states`` are bounded too: the kernels count them in the same type.
+    """
+    if rows >= INDEX_32_LIMIT or num_states >= INDEX_32_LIMIT:
+        return "long long"
+    for view in views:
+        if (
+            view is not None
+            and view.shape
+            and min(view.shape) > 0
+            and sum((n - 1) * abs(stride) for n, stride in zip(view.shape, view.strides)) >= INDEX_32_LIMIT
+        ):
+            return "long long"
+    return "int"
+
+
+def choose_vector_width(values: list[ArrayView], head_size: int, widths: tuple[int, ...]) -> int:
     """The widest pack (elements) that divides the row and keeps every access aligned."""
-    for vec in widths or VECTOR_WIDTHS[values[0].itemsize]:
-        if head_size % vec:
-            continue
-        if all(_pack_aligned(view, vec) for view in values):
+    for vec in widths:
+        if head_size % vec == 0 and all(_pack_aligned(view, vec) for view in values):
             return vec
     return 1
 
@@ -318,19 +136,243 @@ def _pack_aligned(view: ArrayView, vec: int) -> bool:
     return all(stride % vec == 0 for extent, stride in zip(view.shape[:-1], view.strides[:-1]) if extent > 1)
 
 
+def heads_packed(view: ArrayView, head_size: int) -> bool:
+    """Whether a value array ``[..., heads, head_size]`` holds each token's heads back to back."""
+    return view.shape[-2] <= 1 or view.strides[-2] == head_size
+
+
+def _packed_kernel_fits(vec: int, widths: tuple[int, ...], index: str, head_size: int, values: list) -> bool:
+    """Whether a packed kernel takes these value arrays: full 16-byte packs, 32-bit offsets,
+    heads back to back in every one of them (and a row to merge at all)."""
+    return (
+        PACKED_KERNELS
+        and head_size > 0
+        and vec == widths[0]
+        and index == "int"
+        and all(heads_packed(view, head_size) for view in values)
+    )
+
+
 def choose_block(packs_per_row: int, num_tokens: int) -> tuple[int, int]:
-    """Threads across a row (one pack each) and rows (tokens) per block."""
-    threads_x = max(1, min(packs_per_row, THREADS_PER_BLOCK))
-    rows_per_block = max(1, min(THREADS_PER_BLOCK // threads_x, num_tokens))
+    """Strided kernels: threads across a row (one pack each) and rows (tokens) per block."""
+    threads_x = max(1, min(packs_per_row, STRIDED_THREADS))
+    rows_per_block = max(1, min(STRIDED_THREADS // threads_x, num_tokens))
     return threads_x, rows_per_block
 
 
-def choose_rows_per_thread(num_tokens: int, rows_y: int, staged: bool = False, small: bool = False) -> int:
-    """Rows a thread owns: the measured best, fewer when there are too few tokens for that many."""
-    if staged:
-        rows, allowed = ASYNC_ROWS_PER_THREAD, ASYNC_ROWS_INSTANTIATED
+def _packed_geometry(state: StateShape, vec: int) -> dict[str, int]:
+    """The packed kernels' numbering of output packs over (token, head, pack)."""
+    packs_per_row = state.head_size // vec
+    packs_per_token = state.num_heads * packs_per_row
+    token = fast_divisor(packs_per_token)
+    head = fast_divisor(packs_per_row)
+    return {
+        "total_packs": state.num_tokens * packs_per_token,
+        "packs_per_token": packs_per_token,
+        "token_multiplier": token.multiplier,
+        "token_shift": token.shift,
+        "packs_per_row": packs_per_row,
+        "head_multiplier": head.multiplier,
+        "head_shift": head.shift,
+    }
+
+
+def _in_packs(stride: int, extent: int, vec: int) -> int:
+    return stride // vec if extent > 1 else 0
+
+
+def _used(view: ArrayView, dim: int) -> int:
+    """The stride of ``dim``, or 0 where it is never used (extent 1): the packed kernels
+    take strides as 32-bit ints, and an unused one may be any size."""
+    return view.strides[dim] if view.shape[dim] > 1 else 0
+
+
+def _lse_strides(name: str, view: ArrayView) -> dict[str, int]:
+    return {f"{name}_stride_head": _used(view, 0), f"{name}_stride_token": _used(view, 1)}
+
+
+def _plan(
+    family: cat.KernelFamily, module: cat.Module, template: dict, grid, block, shared, args
+) -> LaunchPlan:
+    return LaunchPlan(
+        module,
+        family.instance(**template),
+        grid,
+        block,
+        family.arguments(**args),
+        shared,
+        family.position("out"),
+        family.position("out_lse"),
+    )
+
+
+# -- two states ---------------------------------------------------------------------------------
+
+
+def plan_two_states(
+    state: StateShape,
+    out: ArrayView,
+    out_lse: ArrayView | None,
+    v_a: ArrayView,
+    s_a: ArrayView,
+    v_b: ArrayView,
+    s_b: ArrayView,
+    mask: ArrayView | None,
+    options: TwoStateOptions,
+) -> LaunchPlan | None:
+    """The launch of a checked two-way merge; ``None`` when there is nothing to write."""
+    num_tokens, num_heads, head_size = state.num_tokens, state.num_heads, state.head_size
+    if num_tokens == 0 or num_heads == 0:
+        return None
+    module = cat.Module(cat.TWO_STATES_SOURCE, state.dtype, out.dtype)
+    widths = cat.vector_widths(state.dtype, out.dtype)
+    vec = choose_vector_width([out, v_a, v_b], head_size, widths)
+    lse_out = out_lse if out_lse is not None else NO_ARRAY
+    mask_view = mask if mask is not None else NO_ARRAY
+    merge_tokens = num_tokens if options.merge_tokens is None else min(options.merge_tokens, num_tokens)
+    lse_in_place = out_lse is not None and out_lse in (s_a, s_b)
+    common = {
+        "out": out.ptr, "out_lse": lse_out.ptr, "v_a": v_a.ptr, "lse_a": s_a.ptr, "v_b": v_b.ptr,
+        "lse_b": s_b.ptr, "mask": mask_view.ptr, "merge_tokens": merge_tokens,
+        **_lse_strides("out_lse", lse_out), **_lse_strides("lse_a", s_a), **_lse_strides("lse_b", s_b),
+        "mask_stride": _used(mask_view, 0), "lse_base_2": options.lse_base_2,
+    }  # fmt: skip
+    views = [out, out_lse, v_a, s_a, v_b, s_b, mask]
+    index = index_type(views, num_tokens * num_heads)
+    packs_per_row = head_size // vec
+    if _packed_kernel_fits(vec, widths, index, head_size, [out, v_a, v_b]) and (
+        not lse_in_place or 32 % packs_per_row == 0
+    ):
+        geometry = _packed_geometry(state, vec)
+        threads = PACKED_TWO_THREADS
+        grid = (-(-geometry["total_packs"] // threads), 1, 1)
+        traffic = num_tokens * num_heads * head_size * (2 * v_a.itemsize + out.itemsize)
+        strides = {
+            "out_stride_token": _in_packs(out.strides[0], num_tokens, vec),
+            "a_stride_token": _in_packs(v_a.strides[0], num_tokens, vec),
+            "b_stride_token": _in_packs(v_b.strides[0], num_tokens, vec),
+        }
+        template = {"TIn": state.dtype, "TOut": out.dtype, "VEC": vec,
+                    "STREAMING": traffic < PACKED_STREAMING_BELOW, "LSE_IN_PLACE": lse_in_place}  # fmt: skip
+        return _plan(
+            cat.TWO_PACKED, module, template, grid, (threads, 1, 1), 0, {**common, **geometry, **strides}
+        )
+
+    threads_x, rows_y = choose_block(packs_per_row, num_tokens)
+    traffic = num_tokens * num_heads * head_size * (2 * v_a.itemsize + out.itemsize)
+    rows = 1 if traffic < STRIDED_SMALL_TRAFFIC or rows_y * 2 > num_tokens else 2
+    grid = (min(-(-num_tokens // (rows_y * rows)) * num_heads, MAX_GRID_X), 1, 1)
+    args = {
+        **common,
+        "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size,
+        "out_stride_token": out.strides[0], "out_stride_head": out.strides[1],
+        "a_stride_token": v_a.strides[0], "a_stride_head": v_a.strides[1],
+        "b_stride_token": v_b.strides[0], "b_stride_head": v_b.strides[1],
+        "out_lse_is_input": int(lse_in_place),
+    }  # fmt: skip
+    template = {"TIn": state.dtype, "TOut": out.dtype, "VEC": vec, "ROWS": rows, "Index": index}
+    return _plan(cat.TWO_STRIDED, module, template, grid, (threads_x, rows_y, 1), 0, args)
+
+
+# -- many states --------------------------------------------------------------------------------
+
+
+def plan_many_states(
+    state: StateShape,
+    num_states: int,
+    out: ArrayView,
+    out_lse: ArrayView | None,
+    v: ArrayView,
+    s: ArrayView,
+    indptr: ArrayView | None,
+    options: ManyStateOptions,
+) -> LaunchPlan | None:
+    """The launch of a checked N-way (``indptr`` None) or ragged merge."""
+    num_tokens, num_heads, head_size = state.num_tokens, state.num_heads, state.head_size
+    if num_tokens == 0 or num_heads == 0:
+        return None
+    if indptr is None and num_states == 2:
+        # Two states are the two-way kernel's job: it keeps twice the loads in flight per row.
+        v_a, v_b = _state_view(v, 0), _state_view(v, 1)
+        s_a, s_b = _state_view(s, 0), _state_view(s, 1)
+        return plan_two_states(
+            state, out, out_lse, v_a, s_a, v_b, s_b, None, TwoStateOptions(options.lse_base_2)
+        )
+    module = cat.Module(cat.MANY_STATES_SOURCE, state.dtype, out.dtype)
+    widths = cat.vector_widths(state.dtype, out.dtype)
+    vec = choose_vector_width([out, v], head_size, widths)
+    if indptr is None:
+        v_state, v_token, v_head = v.strides[:3]  # (state, token, head)
+        s_state, s_head, s_token = (_used(s, dim) for dim in range(3))  # (state, head, token)
+        extents = (num_states, num_tokens)
     else:
-        rows, allowed = (SMALL_ROWS_PER_THREAD if small else ROWS_PER_THREAD), ROWS_INSTANTIATED
-    while rows > min(allowed) and rows_y * rows > num_tokens:
-        rows //= 2
-    return rows
+        v_state, v_token, v_head = v.strides[0], 0, v.strides[1]
+        s_state, s_head, s_token = _used(s, 1), _used(s, 0), 0
+        extents = (num_states, 1)
+    lse_out = out_lse if out_lse is not None else NO_ARRAY
+    index_view = indptr if indptr is not None else NO_ARRAY._replace(dtype="int64", itemsize=8)
+    common = {
+        "out": out.ptr, "out_lse": lse_out.ptr, "v": v.ptr, "lse": s.ptr,
+        "indptr": index_view.ptr, "indptr_bytes": index_view.itemsize, "indptr_stride": index_view.strides[0],
+        "num_states": num_states,
+        **_lse_strides("out_lse", lse_out),
+        "lse_stride_state": s_state, "lse_stride_head": s_head, "lse_stride_token": s_token,
+        "lse_base_2": options.lse_base_2,
+    }  # fmt: skip
+    index = index_type([out, out_lse, v, s, indptr], num_tokens * num_heads, num_states)
+    packs_per_row = head_size // vec
+    if _packed_kernel_fits(vec, widths, index, head_size, [out, v]):
+        geometry = _packed_geometry(state, vec)
+        splits = choose_state_splits(num_states, geometry["total_packs"], cat.MERGE_CHUNK)
+        threads_x = max(32, PACKED_MANY_THREADS // splits)
+        grid = (-(-geometry["total_packs"] // threads_x), 1, 1)
+        strides = {
+            "out_stride_token": _in_packs(out.strides[0], num_tokens, vec),
+            "v_stride_state": _in_packs(v_state, extents[0], vec),
+            "v_stride_token": _in_packs(v_token, extents[1], vec),
+        }
+        template = {"TIn": state.dtype, "TOut": out.dtype, "VEC": vec, "SPLIT": splits > 1}
+        shared = (splits - 1) * threads_x * _partial_bytes(vec)
+        return _plan(
+            cat.MANY_PACKED, module, template, grid, (threads_x, splits, 1), shared,
+            {**common, **geometry, **strides},
+        )  # fmt: skip
+
+    threads_x, rows_y = choose_block(packs_per_row, num_tokens)
+    splits = choose_state_splits(num_states, num_tokens * num_heads * threads_x, cat.MERGE_CHUNK)
+    splits = max(1, min(splits, MAX_BLOCK_THREADS // threads_x))
+    rows_y = max(1, min(rows_y, MAX_BLOCK_THREADS // (threads_x * splits)))
+    grid = (min(-(-num_tokens // rows_y) * num_heads, MAX_GRID_X), 1, 1)
+    args = {
+        **common,
+        "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size,
+        "out_stride_token": out.strides[0], "out_stride_head": out.strides[1],
+        "v_stride_state": v_state, "v_stride_token": v_token, "v_stride_head": v_head,
+    }  # fmt: skip
+    template = {"TIn": state.dtype, "TOut": out.dtype, "VEC": vec, "SPLIT": splits > 1, "Index": index}
+    shared = (splits - 1) * threads_x * rows_y * _partial_bytes(vec)
+    return _plan(cat.MANY_STRIDED, module, template, grid, (threads_x, rows_y, splits), shared, args)
+
+
+def _partial_bytes(vec: int) -> int:
+    """sizeof(Partial<VEC>) in the kernels: VEC + 2 floats and a bool, padded to 4 bytes."""
+    return (vec + 3) * 4
+
+
+def choose_state_splits(num_states: int, row_threads: int, chunk: int) -> int:
+    """How many thread groups share one row's states.
+
+    One group suffices when rows alone give ``BUSY_THREADS`` threads; otherwise
+    the states of a row are split, up to one chunk per group and ``MAX_SPLITS``
+    groups (measured in docs/PERF.md).
+    """
+    wanted = -(-BUSY_THREADS // max(row_threads, 1))
+    useful = -(-num_states // chunk)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def _state_view(view: ArrayView, index: int) -> ArrayView:
+    """State ``index`` of a stacked array, as a view of one fewer dimension (no copy)."""
+    return view._replace(
+        ptr=view.ptr + index * view.strides[0] * view.itemsize, shape=view.shape[1:], strides=view.strides[1:]
+    )

@@ -4,7 +4,8 @@ A serving loop merges into the same buffers step after step. Every call of a
 merge function reads each array's pointer, shape, strides and dtype to find its
 prepared launch again (about half of the host time of a small merge). ``bind``
 does that, and every check, once; the object it returns relaunches the kernel
-with nothing else on the host.
+with nothing else on the host but, for torch tensors, a look at each tensor's
+data pointer (a tensor's storage can be swapped or freed behind its back).
 
 Example
 -------
@@ -31,60 +32,85 @@ _BINDABLE = (merge_attn_states, merge_state, merge_state_in_place, merge_states,
 class BoundMerge:
     """One merge bound to its arrays: ``bound(stream=None)`` launches it again.
 
-    Holds references to every array it was bound to, so their memory stays valid
-    for as long as the bound merge lives. It merges the arrays as they were when
-    bound: their shapes and strides are not read again (rebind after changing
-    them in place, e.g. with ``a.shape = ...``). Returns what the merge returned
-    when bound (the same output arrays every time, for the functions that return
-    them).
+    Holds every array it was bound to (and the outputs it allocated), so their
+    memory stays valid for as long as the bound merge lives. It merges the
+    arrays as they were when bound: shapes and strides are not read again
+    (rebind after changing them in place). A torch tensor whose data pointer
+    has changed since (``t.data = ...``, ``t.set_(...)``, a storage resized or
+    freed) is refused with ``RuntimeError`` before anything is launched.
+    Returns what the merge returned when bound: the same output arrays every
+    time, for the functions that return them. Launched on a stream other than
+    the current one, keep the bound merge alive until that stream has finished.
     """
 
-    __slots__ = ("_current_stream", "_device", "_keep_alive", "_kind", "_prepared", "_result")
+    __slots__ = ("_adapter", "_device", "_keep_alive", "_launch", "_result", "_torch_pointers")
 
-    def __init__(self, call: _dispatch.Call, result: Any, keep_alive: tuple):
-        self._prepared = call.prepared
-        self._kind = call.kind
+    def __init__(self, prepared: _dispatch.Prepared):
+        operation, call, arrays = prepared
+        if call.adapter.kind == "jax":
+            raise TypeError(
+                "merge: JAX arrays are immutable, so a bound merge cannot write into them again; "
+                "call the merge each time instead"
+            )
+        out, out_lse, patches = _dispatch.allocate(call, arrays[0], arrays[1], None)
+        self._launch = None if call.launch is None else _kernels.with_pointers(call.launch, patches)
+        self._adapter = call.adapter
         self._device = call.device
-        self._current_stream = _arrays.current_stream_getter(call.kind)
-        self._result = result
-        self._keep_alive = keep_alive
+        bound = (out, out_lse, *arrays[2:])
+        self._keep_alive = bound
+        self._result = (call.adapter.result(out), call.adapter.result(out_lse)) if operation.returns else None
+        torch = _arrays.torch_module()
+        self._torch_pointers = tuple(
+            (tensor, tensor.data_ptr(), name)
+            for tensor, name in zip(bound, operation.names)
+            if torch is not None and isinstance(tensor, torch.Tensor)
+        )
 
     def __call__(self, stream: Any = None) -> Any:
         """Launch on ``stream`` (default: the current stream of the arrays' kind, as the merges do)."""
+        for tensor, pointer, name in self._torch_pointers:
+            if tensor.data_ptr() != pointer:
+                raise RuntimeError(
+                    f"{name}: no longer points at the memory this merge was bound to (its storage was "
+                    f"replaced, resized or freed); bind the merge again"
+                )
         if stream is None:
-            stream_ptr = self._current_stream(self._device)
+            stream_ptr = self._adapter.current_stream(self._device)
         else:
-            stream_ptr = _arrays.stream_pointer(stream, self._kind, self._device)
-        if self._prepared is not None:
-            _kernels.launch_prepared(self._prepared, stream_ptr)
+            stream_ptr = _arrays.stream_pointer(stream)
+        if self._launch is not None:
+            _kernels.launch(self._launch, stream_ptr)
         return self._result
 
     def __repr__(self) -> str:
-        kernel = "nothing (empty arrays)" if self._prepared is None else "a prepared kernel"
-        return f"<BoundMerge of {self._kind} arrays on device {self._device}: launches {kernel}>"
+        kernel = "nothing (empty arrays)" if self._launch is None else "a prepared kernel"
+        return f"<BoundMerge of {self._adapter.kind} arrays on device {self._device}: launches {kernel}>"
 
 
 def bind(merge: Any, *args: Any, **kwargs: Any) -> BoundMerge:
     """Check and plan ``merge(*args, **kwargs)`` without launching it; return it bound.
 
-    ``merge`` is one of :func:`merge_attn_states`, :func:`merge_state`,
-    :func:`merge_state_in_place`, :func:`merge_states` or :func:`merge_states_varlen`;
-    the arguments are that function's, without ``stream`` (give it to each launch).
-    Output arrays that the merge allocates are allocated once, here, and written by
-    every launch. ``check_indptr`` (ragged merges) checks the offsets once, here;
-    the kernel guards them on every launch (NaN rows for bad offsets).
+    Parameters
+    ----------
+    merge : callable
+        One of :func:`merge_attn_states`, :func:`merge_state`, :func:`merge_state_in_place`,
+        :func:`merge_states` or :func:`merge_states_varlen`.
+    *args, **kwargs
+        That function's arguments, without ``stream`` (give it to each launch).
+        Outputs the merge would allocate are allocated once, here, and written by
+        every launch. ``check_indptr`` (ragged merges) checks the offsets once,
+        here; the kernel guards them on every launch (NaN rows for bad offsets).
+
+    Returns
+    -------
+    BoundMerge
+        Call it (``bound()`` or ``bound(stream=s)``) to launch the merge.
     """
     if not any(merge is bindable for bindable in _BINDABLE):
         names = ", ".join(f.__name__ for f in _BINDABLE)
         raise TypeError(f"merge: expected one of cupy_merge's merges ({names}), got {merge!r}")
     if "stream" in kwargs:
         raise TypeError("stream: pass it to each launch of the bound merge, not to bind")
-    with _dispatch.capture() as captured:
-        result = merge(*args, **kwargs)
-    call = captured.call
-    if call.kind == "jax":
-        raise TypeError(
-            "merge: JAX arrays are immutable, so a bound merge cannot write into them again; "
-            "call the merge each time instead"
-        )
-    return BoundMerge(call, result, (args, tuple(kwargs.values())))
+    prepared = merge(*args, **kwargs, stream=_dispatch.PREPARE)
+    _dispatch.check_values(*prepared)
+    return BoundMerge(prepared)

@@ -11,17 +11,31 @@ Shapes, everywhere in this package:
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
-from . import _arrays, _conventions, _dispatch, _plan
+from . import _checks, _dispatch
+from ._plan import TwoStateOptions
 
-_MERGE_ATTN_STATES_NAMES = _plan.TwoStateNames(
-    "output", "output_lse", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse"
+_MERGE_ATTN_STATES = _dispatch.Operation.two_states(
+    "merge_attn_states",
+    _checks.TwoStateNames(
+        "output", "output_lse", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse"
+    ),
+    allocates=False,
+    returns=False,
 )
-_MERGE_STATE_NAMES = _plan.TwoStateNames("out", "out_lse", "v_a", "s_a", "v_b", "s_b")
-_IN_PLACE_NAMES = _plan.TwoStateNames("v", "s", "v", "s", "v_other", "s_other", "mask")
-fingerprint = _dispatch.fingerprint
+_MERGE_STATE = _dispatch.Operation.two_states(
+    "merge_state",
+    _checks.TwoStateNames("out", "out_lse", "v_a", "s_a", "v_b", "s_b"),
+    allocates=True,
+    returns=True,
+)
+_MERGE_STATE_IN_PLACE = _dispatch.Operation.two_states(
+    "merge_state_in_place",
+    _checks.TwoStateNames("v", "s", "v", "s", "v_other", "s_other", "mask"),
+    allocates=False,
+    returns=False,
+)
 
 
 def merge_attn_states(
@@ -68,24 +82,11 @@ def merge_attn_states(
     >>> bool(cupy.allclose(out, v, atol=1e-3))
     True
     """
-    key = (
-        "merge_attn_states", fingerprint(output), fingerprint(prefix_output), fingerprint(prefix_lse), fingerprint(suffix_output),
-        fingerprint(suffix_lse), fingerprint(output_lse),
-        _dispatch.UNSET if prefill_tokens_with_context is None else prefill_tokens_with_context, lse_base,
-    )  # fmt: skip
-    call = _dispatch.lookup(key)
-    if call is None:
-        names = _MERGE_ATTN_STATES_NAMES
-        options = _plan.TwoStateOptions(
-            _conventions.lse_base_flag(lse_base), _merge_tokens(prefill_tokens_with_context)
-        )
-        inputs = _describe_inputs(prefix_output, prefix_lse, suffix_output, suffix_lse, names)
-        out = _arrays.describe(output, names.out)
-        out_lse = None if output_lse is None else _arrays.describe(output_lse, names.out_lse)
-        plan = _plan.plan_two_way(out, out_lse, *inputs, names, None, options)
-        call = _dispatch.prepare_call(plan, _arrays.array_kind(prefix_output), inputs[0].device)
-        _dispatch.remember(key, call)
-    _dispatch.run(call, stream)
+    options = TwoStateOptions(
+        _checks.lse_base_flag(lse_base), _checks.token_count(prefill_tokens_with_context)
+    )
+    arrays = (output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, None)
+    return _dispatch.call(_MERGE_ATTN_STATES, options, arrays, stream)
 
 
 def merge_state(
@@ -135,30 +136,8 @@ def merge_state(
     >>> v.shape, s.shape
     (torch.Size([16, 32, 128]), torch.Size([32, 16]))
     """
-    key = (
-        "merge_state", fingerprint(v_a), fingerprint(s_a), fingerprint(v_b), fingerprint(s_b), fingerprint(out),
-        fingerprint(out_lse), _dispatch.UNSET if out_dtype is None else out_dtype, lse_base,
-    )  # fmt: skip
-    call = _dispatch.lookup(key)
-    if call is not None:
-        out, out_lse = _dispatch.run_with_fresh_outputs(call, v_a, out, out_lse, stream)
-        return _arrays.to_caller_kind(out, call.kind), _arrays.to_caller_kind(out_lse, call.kind)
-    names = _MERGE_STATE_NAMES
-    kind = _arrays.array_kind(v_a)
-    options = _plan.TwoStateOptions(_conventions.lse_base_flag(lse_base))
-    inputs = _describe_inputs(v_a, s_a, v_b, s_b, names)
-    # Inputs are checked before anything is allocated for them.
-    state = _plan.check_two_states(*inputs, names)
-    new_out, new_lse = out is None, out_lse is None
-    out, out_view, out_lse, lse_view = allocate_outputs(
-        v_a, kind, state, out, out_lse, out_dtype, names.out, names.out_lse
-    )
-    plan = _plan.plan_two_way(out_view, lse_view, *inputs, names, None, options)
-    fresh = _dispatch.fresh_outputs(new_out, new_lse, state, out_view.dtype)
-    call = _dispatch.prepare_call(plan, kind, state.device)._replace(fresh=fresh)
-    _dispatch.run(call, stream)
-    _dispatch.remember(key, call)  # repeats allocate what this call allocated
-    return _arrays.to_caller_kind(out, kind), _arrays.to_caller_kind(out_lse, kind)
+    options = TwoStateOptions(_checks.lse_base_flag(lse_base), None, _checks.optional_value_dtype(out_dtype))
+    return _dispatch.call(_MERGE_STATE, options, (out, out_lse, v_a, s_a, v_b, s_b, None), stream)
 
 
 def merge_state_in_place(
@@ -193,63 +172,5 @@ def merge_state_in_place(
     >>> float(v[0, 0, 0]), float(v[1, 0, 0])
     (2.0, 1.0)
     """
-    key = (
-        "merge_state_in_place", fingerprint(v), fingerprint(s), fingerprint(v_other), fingerprint(s_other),
-        fingerprint(mask), lse_base,
-    )  # fmt: skip
-    call = _dispatch.lookup(key)
-    if call is None:
-        names = _IN_PLACE_NAMES
-        options = _plan.TwoStateOptions(_conventions.lse_base_flag(lse_base))
-        inputs = _describe_inputs(v, s, v_other, s_other, names)
-        mask_view = None if mask is None else _arrays.describe(mask, names.mask)
-        plan = _plan.plan_two_way(inputs[0], inputs[1], *inputs, names, mask_view, options)
-        call = _dispatch.prepare_call(plan, _arrays.array_kind(v), inputs[0].device)
-        _dispatch.remember(key, call)
-    _dispatch.run(call, stream)
-
-
-def allocate_outputs(
-    like: Any, kind: str, state: _plan.StateShape, out, out_lse, out_dtype, out_name, out_lse_name
-):
-    """The caller's ``out``/``out_lse`` described, or new ones allocated in the caller's kind."""
-    if out is None:
-        dtype = state.dtype if out_dtype is None else _conventions.value_dtype_name(out_dtype)
-        shape = (state.num_tokens, state.num_heads, state.head_size)
-        out, out_view = _arrays.empty_values(like, kind, shape, dtype, state.device)
-    else:
-        out_view = _arrays.describe(out, out_name)
-        if out_dtype is not None and _conventions.value_dtype_name(out_dtype) != out_view.dtype:
-            raise TypeError(
-                f"out_dtype: expected the dtype of out ({out_view.dtype}) or None, got {out_dtype!r}"
-            )
-    if out_lse is None:
-        out_lse, lse_view = _arrays.empty_lse(like, kind, (state.num_heads, state.num_tokens), state.device)
-    else:
-        lse_view = _arrays.describe(out_lse, out_lse_name)
-    return out, out_view, out_lse, lse_view
-
-
-def _merge_tokens(prefill_tokens_with_context: Any) -> int | None:
-    if prefill_tokens_with_context is None:
-        return None
-    try:
-        if isinstance(prefill_tokens_with_context, bool):
-            raise TypeError
-        prefill_tokens_with_context = operator.index(prefill_tokens_with_context)
-    except TypeError:
-        raise TypeError(
-            f"prefill_tokens_with_context: expected None or an int, got {type(prefill_tokens_with_context).__name__}"
-        ) from None
-    if prefill_tokens_with_context < 0:
-        raise ValueError(f"prefill_tokens_with_context: expected >= 0, got {prefill_tokens_with_context}")
-    return prefill_tokens_with_context
-
-
-def _describe_inputs(v_a, s_a, v_b, s_b, names: _plan.TwoStateNames) -> tuple:
-    return (
-        _arrays.describe(v_a, names.v_a),
-        _arrays.describe(s_a, names.s_a),
-        _arrays.describe(v_b, names.v_b),
-        _arrays.describe(s_b, names.s_b),
-    )
+    options = TwoStateOptions(_checks.lse_base_flag(lse_base))
+    return _dispatch.call(_MERGE_STATE_IN_PLACE, options, (v, s, v, s, v_other, s_other, mask), stream)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _arrays, _conventions, _dispatch, _plan_many
-from .merge import allocate_outputs
+from . import _checks, _dispatch
+from ._plan import ManyStateOptions
 
-fingerprint = _dispatch.fingerprint
-_NAMES = _plan_many.NAMES
+_MERGE_STATES = _dispatch.Operation.many_states("merge_states", ragged=False)
+_MERGE_STATES_VARLEN = _dispatch.Operation.many_states("merge_states_varlen", ragged=True)
 
 
 def merge_states(
@@ -56,7 +56,8 @@ def merge_states(
     >>> out.dtype, out.shape, lse.shape
     (dtype('float16'), (4, 8, 128), (8, 4))
     """
-    return _merge(v, s, None, out, out_lse, lse_base, out_dtype, stream)
+    options = ManyStateOptions(_checks.lse_base_flag(lse_base), _checks.optional_value_dtype(out_dtype))
+    return _dispatch.call(_MERGE_STATES, options, (out, out_lse, v, s, None), stream)
 
 
 def merge_states_varlen(
@@ -97,49 +98,9 @@ def merge_states_varlen(
     >>> out.shape, bool(cupy.isneginf(lse[:, 1]).all())
     ((3, 8, 64), True)
     """
-    return _merge(v, s, indptr, out, out_lse, lse_base, out_dtype, stream, check_indptr)
-
-
-def _merge(v, s, indptr, out, out_lse, lse_base, out_dtype, stream, check_indptr=False):
-    # A host check of indptr reads its values, so those calls always take the full path.
-    key = None
-    if not check_indptr:
-        key = (
-            "merge_states",  # dense and ragged differ by the indptr fingerprint, () when dense
-            fingerprint(out), fingerprint(out_lse), fingerprint(v), fingerprint(s), fingerprint(indptr),
-            _dispatch.UNSET if out_dtype is None else out_dtype, lse_base,
-        )  # fmt: skip
-        call = _dispatch.lookup(key)
-        if call is not None:
-            out, out_lse = _dispatch.run_with_fresh_outputs(call, v, out, out_lse, stream)
-            return _arrays.to_caller_kind(out, call.kind), _arrays.to_caller_kind(out_lse, call.kind)
-    out, out_lse, call = _plan_call(v, s, indptr, out, out_lse, lse_base, out_dtype, check_indptr)
-    _dispatch.run(call, stream)
-    if key is not None:
-        _dispatch.remember(key, call)
-    return _arrays.to_caller_kind(out, call.kind), _arrays.to_caller_kind(out_lse, call.kind)
-
-
-def _plan_call(v, s, indptr, out, out_lse, lse_base, out_dtype, check_indptr):
-    """The full path: describe and check every input before anything is allocated, then plan.
-
-    The call it returns records which outputs it allocated, for repeats to allocate again.
-    """
-    lse_base_2 = _conventions.lse_base_flag(lse_base)
-    kind = _arrays.array_kind(v)
-    v_view, s_view = _arrays.describe(v, _NAMES.v), _arrays.describe(s, _NAMES.s)
-    if indptr is None:
-        state, _ = _plan_many.check_many_states(v_view, s_view)
-        indptr_view = None
-    else:
-        indptr_view = _arrays.describe(indptr, _NAMES.indptr)
-        state, total_states = _plan_many.check_varlen_states(v_view, s_view, indptr_view)
-        if check_indptr:
-            _plan_many.check_indptr_values(_arrays.to_numpy(indptr), total_states, _NAMES.indptr)
-    new_out, new_lse = out is None, out_lse is None
-    out, out_view, out_lse, lse_view = allocate_outputs(
-        v, kind, state, out, out_lse, out_dtype, _NAMES.out, _NAMES.out_lse
+    options = ManyStateOptions(
+        _checks.lse_base_flag(lse_base),
+        _checks.optional_value_dtype(out_dtype),
+        _checks.flag(check_indptr, "check_indptr"),
     )
-    plan = _plan_many.plan_many(out_view, lse_view, v_view, s_view, indptr_view, lse_base_2)
-    fresh = _dispatch.fresh_outputs(new_out, new_lse, state, out_view.dtype)
-    return out, out_lse, _dispatch.prepare_call(plan, kind, state.device)._replace(fresh=fresh)
+    return _dispatch.call(_MERGE_STATES_VARLEN, options, (out, out_lse, v, s, indptr), stream)

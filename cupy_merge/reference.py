@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from ._conventions import lse_base_flag
+from ._checks import lse_base_flag
 
 
 def merge_state(v_a, s_a, v_b, s_b, lse_base="e") -> tuple[np.ndarray, np.ndarray]:

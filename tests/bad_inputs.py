@@ -18,6 +18,8 @@ class Spec:
     last_stride: int = 1
     device: int = 0
     overlaps: str | None = None  # another argument this one partly overlaps
+    byte_offset: int = 0  # start this many bytes into an aligned buffer (misaligned when not a multiple)
+    broadcast: bool = False  # every token the same memory (token stride 0), as expand() makes
 
 
 VALUES = Spec((TOKENS, HEADS, HEAD_SIZE), "float16")
@@ -58,6 +60,12 @@ BAD_CASES = [
     BadCase("out-on-other-device", "out", replace(VALUES, device=1), ValueError, needs_devices=2),
     BadCase("out-partly-overlaps-input", "out", replace(VALUES, overlaps="v_a"), ValueError),
     BadCase("out-lse-partly-overlaps-input", "out_lse", replace(LSE, overlaps="s_b"), ValueError),
+    BadCase("misaligned-lse", "s_a", replace(LSE, byte_offset=2), ValueError),
+    BadCase("misaligned-out-lse", "out_lse", replace(LSE, byte_offset=2), ValueError),
+    BadCase("misaligned-values", "v_b", replace(VALUES, byte_offset=1), ValueError),
+    BadCase("misaligned-out", "out", replace(VALUES, byte_offset=1), ValueError),
+    BadCase("broadcast-out", "out", replace(VALUES, broadcast=True), ValueError),
+    BadCase("broadcast-out-lse", "out_lse", replace(LSE, broadcast=True), ValueError),
 ]
 
 

@@ -23,6 +23,21 @@ GPU_COUNT = _gpu_count()
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--strided-kernels",
+        action="store_true",
+        help="plan every merge on the general (strided) kernels, as for arrays the packed ones do not take",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--strided-kernels"):
+        from cupy_merge import _plan
+
+        _plan.PACKED_KERNELS = False
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

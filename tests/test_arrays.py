@@ -52,10 +52,10 @@ def test_non_arrays_are_refused(value):
         _arrays.describe(value, "out")
 
 
-@pytest.mark.parametrize("stream", [1.5, "default", object()])
+@pytest.mark.parametrize("stream", [1.5, "default", object(), -1, True])
 def test_unusable_stream_is_refused(stream):
     with pytest.raises(TypeError, match=r"^stream: expected"):
-        _arrays.stream_pointer(stream, "cupy", 0)
+        _arrays.stream_pointer(stream)
 
 
 def test_streams_are_read_from_every_protocol():
@@ -69,7 +69,44 @@ def test_streams_are_read_from_every_protocol():
         def __cuda_stream__(self):
             return (0, 13)
 
-    assert _arrays.stream_pointer(10, "cupy", 0) == 10
-    assert _arrays.stream_pointer(CupyLike(), "cupy", 0) == 11
-    assert _arrays.stream_pointer(TorchLike(), "torch", 0) == 12
-    assert _arrays.stream_pointer(CudaPython(), "cupy", 0) == 13
+    assert _arrays.stream_pointer(10) == 10
+    assert _arrays.stream_pointer(CupyLike()) == 11
+    assert _arrays.stream_pointer(TorchLike()) == 12
+    assert _arrays.stream_pointer(CudaPython()) == 13
+
+
+def test_torch_negated_views_are_refused_naming_the_argument():
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch.Tensor, "is_neg"):
+        pytest.skip("this torch has no negative bit")
+
+    class CudaLooking:  # describe() asks the device first; pretend this tensor is on a GPU
+        type = "cuda"
+
+    tensor = torch.zeros(3, 2, dtype=torch.complex64).conj().imag
+    adapter = _arrays.TorchAdapter()
+    with pytest.raises(TypeError, match=r"^s_a: expected a tensor without torch's lazy negation"):
+        adapter.describe(_Proxy(tensor, CudaLooking()), "s_a")
+
+
+class _Proxy:
+    """A tensor that reports another device; everything else is the tensor's."""
+
+    def __init__(self, tensor, device):
+        self._tensor, self.device = tensor, device
+
+    def __getattr__(self, name):
+        return getattr(self._tensor, name)
+
+
+def test_tensors_on_other_accelerators_are_refused():
+    torch = pytest.importorskip("torch")
+
+    class Xpu:
+        type = "xpu"
+
+        def __str__(self):
+            return "xpu:0"
+
+    with pytest.raises(TypeError, match=r"^v_a: expected a torch tensor on a CUDA device, got one on xpu:0"):
+        _arrays.TorchAdapter().describe(_Proxy(torch.zeros(2), Xpu()), "v_a")

@@ -1,13 +1,11 @@
-"""bind() on the CPU: what it accepts, and the capture that plans without launching."""
+"""bind() on the CPU: what it accepts, that it prepares without launching, and the pointer guard."""
 
 from __future__ import annotations
-
-import threading
 
 import pytest
 
 import cupy_merge as cm
-from cupy_merge import _dispatch
+from cupy_merge import _arrays, _dispatch, _kernels
 
 
 def test_bind_takes_only_this_librarys_merges():
@@ -20,49 +18,45 @@ def test_bind_refuses_a_stream_which_belongs_to_each_launch():
         cm.bind(cm.merge_attn_states, None, None, None, None, None, stream=0)
 
 
-def test_capture_takes_the_call_instead_of_launching_it():
-    call = _dispatch.Call(None, "cupy", 0)
-    with _dispatch.capture() as captured:
-        _dispatch.run(call, stream=0)
-    assert captured.call is call
-    assert _dispatch._capturing == 0
+class _Adapter(_arrays.Adapter):
+    kind = "torch"
+
+    def current_stream(self, device):
+        return 0
 
 
-def test_capture_that_planned_nothing_says_so():
-    with pytest.raises(RuntimeError, match="^bind: the merge planned no launch"), _dispatch.capture():
-        pass
+@pytest.fixture
+def prepared_without_a_gpu(monkeypatch):
+    """merge calls prepare nothing real: the call it gets has no launch; nothing may run."""
+    monkeypatch.setattr(_dispatch, "prepare", lambda *args: _dispatch.Call(None, _Adapter(), 0, (), None))
+    monkeypatch.setattr(_dispatch, "run", lambda *args: pytest.fail("ran the merge"))
+    monkeypatch.setattr(_kernels, "launch", lambda *args: pytest.fail("launched"))
 
 
-def test_capture_on_one_thread_leaves_other_threads_launching():
-    call = _dispatch.Call(None, "cupy", 0)
-    seen = []
-    with _dispatch.capture() as captured:
-        worker = threading.Thread(target=lambda: seen.append(_dispatch._take_captured(call)))
-        worker.start()
-        worker.join()
-        _dispatch.run(call, stream=0)
-    assert seen == [False]  # the other thread's run() would have launched
-    assert captured.call is call
+def test_bind_prepares_the_call_and_never_runs_it(prepared_without_a_gpu):
+    torch = pytest.importorskip("torch")
+    v = torch.zeros(2, 3, 8)
+    s = torch.zeros(3, 2)
+    bound = cm.bind(cm.merge_state, v, s, v, s, out=v.clone(), out_lse=s.clone())
+    out, out_lse = bound()
+    assert out.shape == v.shape and bound() == (out, out_lse)  # the same outputs every time
 
 
-def test_an_error_inside_capture_propagates_and_ends_the_capture():
-    with pytest.raises(ValueError, match="bad"), _dispatch.capture():
-        raise ValueError("bad")
-    assert _dispatch._capturing == 0
+def test_a_bound_tensor_whose_storage_changed_is_refused(prepared_without_a_gpu):
+    torch = pytest.importorskip("torch")
+    output = torch.zeros(2, 3, 8)
+    v, s = torch.zeros(2, 3, 8), torch.zeros(3, 2)
+    bound = cm.bind(cm.merge_attn_states, output, v, s, v, s)
+    bound()
+    output.set_(torch.zeros(2, 3, 8))
+    with pytest.raises(RuntimeError, match="^output: no longer points at the memory this merge was bound to"):
+        bound()
 
 
-def test_captures_on_many_threads_at_once_keep_the_count_exact():
-    barrier = threading.Barrier(8)
-
-    def bind_many():
-        barrier.wait()
-        for _ in range(2000):
-            with _dispatch.capture():
-                _dispatch.run(_dispatch.Call(None, "cupy", 0), stream=0)
-
-    workers = [threading.Thread(target=bind_many) for _ in range(8)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    assert _dispatch._capturing == 0  # no lost update left it off zero
+def test_a_bound_tensor_whose_storage_was_freed_is_refused(prepared_without_a_gpu):
+    torch = pytest.importorskip("torch")
+    output, v, s = torch.zeros(2, 3, 8), torch.zeros(2, 3, 8), torch.zeros(3, 2)
+    bound = cm.bind(cm.merge_attn_states, output, v, s, v, s)
+    s.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match="^prefix_lse: no longer points"):
+        bound()

@@ -166,22 +166,34 @@ def test_merge_runs_on_the_device_holding_the_arrays(rng):
 
 
 def _build(spec, rng):
+    """A real array for ``spec``; ``(array, bytes)``: ``bytes`` views the same memory as uint8."""
     import cupy
 
     with cupy.cuda.Device(spec.device):
         storage = spec.shape[:-1] + (spec.shape[-1] * spec.last_stride,)
-        array = cupy.asarray(rng.standard_normal(storage) * 4).astype(spec.dtype)
-    return array[..., :: spec.last_stride] if spec.last_stride > 1 else array
+        aligned = cupy.asarray(rng.standard_normal(storage) * 4).astype(spec.dtype)
+        if spec.byte_offset:
+            # Copied byte-wise: no kernel may touch a misaligned element (it would end the context).
+            raw = cupy.zeros(aligned.nbytes + 16, dtype=cupy.uint8)[
+                spec.byte_offset : spec.byte_offset + aligned.nbytes
+            ]
+            raw[...] = aligned.view(cupy.uint8).ravel()
+            array = cupy.ndarray(storage, aligned.dtype, raw.data)
+        else:
+            raw, array = aligned.view(cupy.uint8), aligned
+        if spec.broadcast:
+            array = cupy.broadcast_to(array[:1], array.shape)
+    return (array[..., :: spec.last_stride] if spec.last_stride > 1 else array), raw
 
 
 def _build_all(specs, rng):
     import cupy
 
-    arrays = {}
+    arrays, raw = {}, {}
     for name, spec in specs.items():
         if spec.overlaps:
             continue
-        arrays[name] = _build(spec, rng)
+        arrays[name], raw[name] = _build(spec, rng)
     for name, spec in specs.items():
         if spec.overlaps:
             other = specs[spec.overlaps]
@@ -189,7 +201,8 @@ def _build_all(specs, rng):
                 other.dtype
             )
             arrays[spec.overlaps], arrays[name] = base[1:], base[:-1]
-    return arrays
+            raw[spec.overlaps] = raw[name] = base.view(cupy.uint8)
+    return arrays, raw
 
 
 @pytest.mark.parametrize("api", ["merge_state", "merge_attn_states"])
@@ -197,8 +210,8 @@ def _build_all(specs, rng):
 def test_every_bad_input_raises_before_writing_anything(rng, case, api):
     if GPU_COUNT < case.needs_devices:
         pytest.skip(f"needs {case.needs_devices} GPUs")
-    arrays = _build_all(specs_for(case), rng)
-    before = {name: to_host(arrays[name]).copy() for name in ("out", "out_lse")}
+    arrays, raw = _build_all(specs_for(case), rng)
+    before = {name: raw[name].get() for name in ("out", "out_lse")}
     with pytest.raises(case.error) as raised:
         if api == "merge_state":
             cm.merge_state(
@@ -217,6 +230,6 @@ def test_every_bad_input_raises_before_writing_anything(rng, case, api):
     assert str(raised.value).startswith(f"{name}: "), str(raised.value)
     import cupy
 
-    cupy.cuda.runtime.deviceSynchronize()
+    cupy.cuda.runtime.deviceSynchronize()  # also: the context is still usable
     for out_name, saved in before.items():
-        np.testing.assert_array_equal(to_host(arrays[out_name]), saved)
+        np.testing.assert_array_equal(raw[out_name].get(), saved)

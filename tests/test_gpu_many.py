@@ -16,7 +16,7 @@ import pytest
 from gpu_arrays import backend_for, fill_nan, relative_error, to_device, to_host
 
 import cupy_merge as cm
-from cupy_merge import _kernels, _plan, _plan_many, reference
+from cupy_merge import _dispatch, _plan, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -388,26 +388,32 @@ def test_every_bad_call_raises_naming_the_argument_and_writes_nothing():
 
 
 @pytest.fixture
-def offsets_64_bit(monkeypatch):
-    """Plans made inside use 64-bit offsets; no plan outlives the switch either way."""
-    _plan.plan_two_way.cache_clear()
-    _plan_many.plan_many.cache_clear()
-    monkeypatch.setattr(_plan, "INDEX_32", False)
-    yield
-    _plan.plan_two_way.cache_clear()
-    _plan_many.plan_many.cache_clear()
+def planner(monkeypatch):
+    """Set planner switches; no call prepared under one setting is reused under another."""
+    monkeypatch.setattr(_dispatch, "_calls", {})
+
+    def switch(**settings):
+        _dispatch._calls.clear()
+        for name, value in settings.items():
+            monkeypatch.setattr(_plan, name, value)
+
+    return switch
 
 
 @pytest.mark.parametrize("num_states", [2, 5, 64])
-def test_64_bit_offsets_give_the_same_bits_as_32_bit_ones(rng, num_states, request):
+def test_both_kernel_families_and_both_offset_widths_agree(rng, num_states, planner):
     # Large arrays take the 64-bit instantiations (test_gpu_merge covers one past 2^31
-    # elements); here both widths run on the same data and must agree bit for bit.
+    # elements); here every variant runs on the same data. The strided kernel gives the same
+    # bits in either offset width; the packed one sums in another order (two passes).
     v = to_device(rng.standard_normal((num_states, 37, 8, 128)), "float16", "cupy")
     s = to_device(_lse(rng, num_states, 8, 37), "float32", "cupy")
+    packed = [to_host(x) for x in cm.merge_states(v, s)]
+    planner(PACKED_KERNELS=False)
     narrow = [to_host(x) for x in cm.merge_states(v, s)]
-    request.getfixturevalue("offsets_64_bit")
+    planner(PACKED_KERNELS=False, INDEX_32_LIMIT=0)
     wide = [to_host(x) for x in cm.merge_states(v, s)]
-    assert any(plan.kernel.endswith("long long>") for plan, _ in _kernels._prepared)
     for got, want in zip(wide, narrow):
         np.testing.assert_array_equal(got, want)
-    _expect(*wide, *reference.merge_states(to_host(v), to_host(s)), "float16")
+    want = reference.merge_states(to_host(v), to_host(s))
+    for variant in (packed, narrow, wide):
+        _expect(*variant, *want, "float16")

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
+from views import view as _make_view
 
-from cupy_merge import _conventions, _plan_many
+from cupy_merge import _catalogue as cat
+from cupy_merge import _checks, _dispatch
 from cupy_merge import _plan as _plan_module
-from cupy_merge._arrays import ArrayView
+from cupy_merge.merge_many import _MERGE_STATES, _MERGE_STATES_VARLEN
 
 STATES, TOKENS, HEADS, HEAD_SIZE = 6, 5, 3, 64
 
 
 def _view(shape, dtype="float16", ptr=1 << 32, strides=None, device=0):
-    itemsize = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
-    if strides is None:
-        strides = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
-    return ArrayView(ptr, tuple(shape), tuple(strides), dtype, itemsize, device)
+    return _make_view(shape, dtype, ptr, strides, device)
 
 
 def _dense(**changes):
@@ -31,17 +32,37 @@ def _dense(**changes):
     return views
 
 
-def _plan(views):
-    return _plan_many.plan_many(views["out"], views["out_lse"], views["v"], views["s"], views["indptr"], 0)
+def _plan(views, options=None):
+    options = options or _plan_module.ManyStateOptions()
+    operation = _MERGE_STATES if views["indptr"] is None else _MERGE_STATES_VARLEN
+    arrays = [views["out"], views["out_lse"], views["v"], views["s"], views["indptr"]]
+    return _dispatch.plan_call(operation, options, arrays).plan
 
 
-def test_a_dense_call_plans_the_widest_vector():
+def _template(plan):
+    family = next(f for f in cat.FAMILIES if plan.kernel.startswith(f"cupy_merge::{f.name}<"))
+    return family, dict(zip(family.template, plan.kernel[plan.kernel.index("<") + 1 : -1].split(", ")))
+
+
+def _args(plan):
+    return dict(zip(_template(plan)[0].params, plan.args))
+
+
+def test_a_dense_call_plans_the_packed_kernel():
     plan = _plan(_dense())
+    family, template = _template(plan)
     # A few rows: their states are split over thread groups (the "true" instantiation).
+    assert family is cat.MANY_PACKED and template["VEC"] == "8" and template["SPLIT"] == "true"
+    assert _args(plan)["num_states"] == STATES
+
+
+def test_without_packed_kernels_a_dense_call_plans_the_strided_kernel(monkeypatch):
+    monkeypatch.setattr(_plan_module, "PACKED_KERNELS", False)
+    plan = _plan(_dense())
     assert (
         plan.kernel == "cupy_merge::merge_many_states<cupy_merge::half_t, cupy_merge::half_t, 8, true, int>"
     )
-    assert plan.args[7] == STATES  # num_states
+    assert _args(plan)["num_states"] == STATES
 
 
 def test_a_state_stride_that_breaks_alignment_narrows_the_vector():
@@ -50,14 +71,15 @@ def test_a_state_stride_that_breaks_alignment_narrows_the_vector():
         strides=(TOKENS * HEADS * HEAD_SIZE + 2, HEADS * HEAD_SIZE, HEAD_SIZE, 1),
         ptr=3 << 32,
     )
-    assert ", 2, " in _plan(_dense(v=v)).kernel
+    family, template = _template(_plan(_dense(v=v)))
+    assert family is cat.MANY_STRIDED and template["VEC"] == "2"
 
 
 def test_a_float32_input_into_a_bfloat16_output_still_moves_16_bytes():
     v = _view((STATES, TOKENS, HEADS, HEAD_SIZE), "float32", ptr=3 << 32)
     out = _view((TOKENS, HEADS, HEAD_SIZE), "bfloat16", ptr=1 << 32)
     plan = _plan(_dense(v=v, out=out))
-    assert plan.kernel.startswith("cupy_merge::merge_many_states<float, cupy_merge::bfloat16_t, 8,")
+    assert plan.kernel.startswith("cupy_merge::merge_many_states_packed<float, cupy_merge::bfloat16_t, 8,")
     assert plan.module == ("merge_many_states.cu", "float32", "bfloat16")
 
 
@@ -96,13 +118,18 @@ def _ragged(**changes):
     return views
 
 
-def test_a_ragged_call_uses_zero_token_strides():
-    plan = _plan(_ragged())
-    args = plan.args
-    assert args[4] == 5 << 32 and args[5] == 4  # indptr pointer, 4-byte entries
-    assert args[7] == 20  # rows in all, the bound every offset is checked against
-    v_strides = args[13:16]  # (state, token, head)
-    assert v_strides == (HEADS * HEAD_SIZE, 0, HEAD_SIZE)
+def test_a_ragged_call_uses_zero_token_strides(monkeypatch):
+    args = _args(_plan(_ragged()))
+    assert args["indptr"] == 5 << 32 and args["indptr_bytes"] == 4
+    assert args["num_states"] == 20  # rows in all, the bound every offset is checked against
+    assert (args["v_stride_state"], args["v_stride_token"]) == (HEADS * HEAD_SIZE // 8, 0)  # in packs
+    monkeypatch.setattr(_plan_module, "PACKED_KERNELS", False)
+    args = _args(_plan(_ragged()))
+    assert (args["v_stride_state"], args["v_stride_token"], args["v_stride_head"]) == (
+        HEADS * HEAD_SIZE,
+        0,
+        HEAD_SIZE,
+    )
 
 
 BAD_RAGGED = [
@@ -134,19 +161,19 @@ def test_bad_ragged_inputs_raise_naming_the_argument(argument, view, error, word
 )
 def test_indptr_values_are_checked_on_the_host(values, words):
     with pytest.raises(ValueError, match=f"^indptr: expected .*{words}"):
-        _plan_many.check_indptr_values(np.array(values), 20)
-    _plan_many.check_indptr_values(np.array([0, 0, 20]), 20)
+        _checks.indptr_values(np.array(values), 20)
+    _checks.indptr_values(np.array([0, 0, 20]), 20)
 
 
 @pytest.mark.parametrize("base, flag", [("e", 0), (np.e, 0), (2, 1), ("2", 1)])
 def test_lse_base_accepts_e_and_2(base, flag):
-    assert _conventions.lse_base_flag(base) == flag
+    assert _checks.lse_base_flag(base) == flag
 
 
-@pytest.mark.parametrize("base", [10, "ln", True, None, 2.5])
+@pytest.mark.parametrize("base", [10, "ln", True, None, 2.5, np.array(2), [2]])
 def test_any_other_lse_base_is_rejected(base):
     with pytest.raises(ValueError, match="^lse_base: expected"):
-        _conventions.lse_base_flag(base)
+        _checks.lse_base_flag(base)
 
 
 @pytest.mark.parametrize(
@@ -154,13 +181,13 @@ def test_any_other_lse_base_is_rejected(base):
     [("bfloat16", "bfloat16"), (np.float16, "float16"), ("float32", "float32"), (np.dtype("f4"), "float32")],
 )
 def test_output_dtypes_are_named_from_any_spelling(dtype, name):
-    assert _conventions.value_dtype_name(dtype) == name
+    assert _checks.value_dtype_name(dtype) == name
 
 
 @pytest.mark.parametrize("dtype", ["float64", np.int8, "nonsense"])
 def test_other_output_dtypes_are_rejected(dtype):
     with pytest.raises(TypeError, match="^out_dtype: expected"):
-        _conventions.value_dtype_name(dtype)
+        _checks.value_dtype_name(dtype)
 
 
 def test_two_dense_states_go_to_the_two_way_kernel_as_views():
@@ -168,25 +195,33 @@ def test_two_dense_states_go_to_the_two_way_kernel_as_views():
         v=_view((2, TOKENS, HEADS, HEAD_SIZE), ptr=3 << 32),
         s=_view((2, HEADS, TOKENS), "float32", ptr=4 << 32),
     )
-    plan = _plan(views)
-    assert plan.kernel.startswith("cupy_merge::merge_two_states<")
-    args = plan.args  # out, out_lse, v_a, s_a, v_b, s_b, ...
-    assert args[2] == 3 << 32 and args[4] == (3 << 32) + TOKENS * HEADS * HEAD_SIZE * 2
-    assert args[3] == 4 << 32 and args[5] == (4 << 32) + HEADS * TOKENS * 4
+    args = _args(_plan(views))
+    assert _template(_plan(views))[0] is cat.TWO_PACKED
+    assert args["v_a"] == 3 << 32 and args["v_b"] == (3 << 32) + TOKENS * HEADS * HEAD_SIZE * 2
+    assert args["lse_a"] == 4 << 32 and args["lse_b"] == (4 << 32) + HEADS * TOKENS * 4
 
 
+@pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("states, tokens, expected", [(64, 4096, 1), (64, 64, 4), (256, 16, 16), (3, 16, 1)])
-def test_few_rows_split_their_states_over_more_threads(states, tokens, expected):
-    v = _view((states, tokens, 32, 128), ptr=3 << 32)
-    s = _view((states, 32, tokens), "float32", ptr=4 << 32)
-    out = _view((tokens, 32, 128), ptr=1 << 32)
-    out_lse = _view((32, tokens), "float32", ptr=2 << 32)
-    plan = _plan_many.plan_many(out, out_lse, v, s, None, 0)
-    threads_x, rows_y, splits = plan.block
-    assert splits == expected
-    assert _plan_module.kernel_template_arguments(plan.kernel)[3] == ("true" if splits > 1 else "false")
-    assert threads_x * rows_y * splits <= _plan_many.MAX_BLOCK_THREADS
-    assert plan.shared_bytes == (splits - 1) * threads_x * rows_y * (8 + 3) * 4
+def test_few_rows_split_their_states_over_more_threads(monkeypatch, packed, states, tokens, expected):
+    monkeypatch.setattr(_plan_module, "PACKED_KERNELS", packed)
+    views = _dense(
+        v=_view((states, tokens, 32, 128), ptr=3 << 32),
+        s=_view((states, 32, tokens), "float32", ptr=4 << 32),
+        out=_view((tokens, 32, 128), ptr=1 << 32),
+        out_lse=_view((32, tokens), "float32", ptr=2 << 32),
+    )
+    plan = _plan(views)
+    family, template = _template(plan)
+    assert family is (cat.MANY_PACKED if packed else cat.MANY_STRIDED)
+    assert template["SPLIT"] == ("true" if expected > 1 else "false")
+    if packed:
+        threads_x, splits, _ = plan.block
+        assert plan.shared_bytes == (splits - 1) * threads_x * (8 + 3) * 4
+    else:
+        threads_x, rows_y, splits = plan.block
+        assert plan.shared_bytes == (splits - 1) * threads_x * rows_y * (8 + 3) * 4
+    assert splits == expected and math.prod(plan.block) <= 1024
 
 
 @pytest.mark.parametrize("states", [2, 6])  # two dense states are planned as the two-way kernel
@@ -196,5 +231,21 @@ def test_plans_put_the_output_pointers_where_fresh_outputs_are_patched_in(states
         s=_view((states, HEADS, TOKENS), "float32", ptr=4 << 32),
     )
     plan = _plan(views)
-    assert plan.args[_plan_module.OUT_ARGUMENT] == views["out"].ptr
-    assert plan.args[_plan_module.OUT_LSE_ARGUMENT] == views["out_lse"].ptr
+    assert plan.args[plan.out_slot] == views["out"].ptr
+    assert plan.args[plan.out_lse_slot] == views["out_lse"].ptr
+
+
+def test_head_size_zero_plans_the_strided_kernel():
+    views = _dense(
+        v=_view((STATES, TOKENS, HEADS, 0), ptr=3 << 32), out=_view((TOKENS, HEADS, 0), ptr=1 << 32)
+    )
+    assert _template(_plan(views))[0] is cat.MANY_STRIDED
+
+
+def test_two_billion_stride_0_states_take_64_bit_offsets():
+    views = _dense(
+        v=_view((2**31, TOKENS, HEADS, HEAD_SIZE), ptr=3 << 32, strides=(0, HEADS * HEAD_SIZE, HEAD_SIZE, 1)),
+        s=_view((2**31, HEADS, TOKENS), "float32", ptr=4 << 32, strides=(0, TOKENS, 1)),
+    )
+    family, template = _template(_plan(views))
+    assert family is cat.MANY_STRIDED and template["Index"] == "long long"

@@ -28,7 +28,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from .distributed import choose_strategy, merge_across_ranks
+    from ..distributed import choose_strategy, merge_across_ranks
 
     rank = int(os.environ.get("RANK", "0"))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))

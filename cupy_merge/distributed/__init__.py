@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import _conventions
+from .. import _checks
 
 STRATEGIES = ("auto", "allreduce", "allgather")
 
@@ -74,11 +74,17 @@ def merge_across_ranks(
     """
     if op not in STRATEGIES:
         raise ValueError(f"op: expected one of {', '.join(map(repr, STRATEGIES))}, got {op!r}")
-    lse_base_2 = _conventions.lse_base_flag(lse_base)
+    lse_base_2 = _checks.lse_base_flag(lse_base)
     comm, xp = _communicator(v, group, stream)
-    _num_tokens, _num_heads, head_size = _check_state(v, s, xp)
-    _check_output(xp, out, v, "out")
-    _check_output(xp, out_lse, s, "out_lse")
+    _num_tokens, _num_heads, head_size = _checks.check_rank_state(
+        tuple(v.shape), xp.dtype_name(v), tuple(s.shape), xp.dtype_name(s), xp.device_of(v), xp.device_of(s)
+    )
+    for given, like, name in ((out, v, "out"), (out_lse, s, "out_lse")):
+        if given is not None:
+            _checks.check_rank_output(
+                name, (tuple(given.shape), xp.dtype_name(given), xp.device_of(given)),
+                (tuple(like.shape), xp.dtype_name(like), xp.device_of(like)),
+            )  # fmt: skip
     if op == "auto":
         op = choose_strategy(comm.world_size, head_size, xp.itemsize(v))
     to_natural = math.log(2.0) if lse_base_2 else 1.0
@@ -125,7 +131,7 @@ def _merge_by_allgather(comm, xp, v, s, lse_base, to_natural: float):
     comm.all_gather(gathered_v, xp.contiguous(v))
     comm.all_gather(gathered_s, xp.contiguous(s))
     if xp.on_gpu(v):
-        from .merge_many import merge_states
+        from ..merge_many import merge_states
 
         return merge_states(gathered_v, gathered_s, lse_base=lse_base)
     return merge_stacked_states(xp, gathered_v, gathered_s, to_natural)
@@ -156,40 +162,6 @@ def _deliver(xp, merged_v, merged_s, out, out_lse):
         xp.assign(out_lse, merged_s)
         merged_s = out_lse
     return merged_v, merged_s
-
-
-def _check_state(v, s, xp) -> tuple[int, int, int]:
-    if len(v.shape) != 3:
-        raise ValueError(
-            f"v: expected a 3-D array [num_tokens, num_heads, head_size], got shape {tuple(v.shape)}"
-        )
-    dtype = xp.dtype_name(v)
-    if dtype not in ("float32", "float16", "bfloat16"):
-        raise TypeError(f"v: expected dtype float32, float16 or bfloat16, got {dtype}")
-    if xp.dtype_name(s) != "float32":
-        raise TypeError(f"s: expected a float32 log-sum-exp, got dtype {xp.dtype_name(s)}")
-    num_tokens, num_heads, head_size = v.shape
-    if tuple(s.shape) != (num_heads, num_tokens):
-        raise ValueError(
-            f"s: expected shape (num_heads, num_tokens) = {(num_heads, num_tokens)} from v, got {tuple(s.shape)}"
-        )
-    if xp.device_of(s) != xp.device_of(v):
-        raise ValueError(
-            f"s: expected an array on the device of v ({xp.device_of(v)}), got {xp.device_of(s)}"
-        )
-    return num_tokens, num_heads, head_size
-
-
-def _check_output(xp, given, like, name: str) -> None:
-    if given is None:
-        return
-    if tuple(given.shape) != tuple(like.shape) or xp.dtype_name(given) != xp.dtype_name(like):
-        raise ValueError(
-            f"{name}: expected {xp.dtype_name(like)} of shape {tuple(like.shape)}, "
-            f"got {xp.dtype_name(given)} of shape {tuple(given.shape)}"
-        )
-    if xp.device_of(given) != xp.device_of(like):
-        raise ValueError(f"{name}: expected an array on {xp.device_of(like)}, got {xp.device_of(given)}")
 
 
 def _communicator(v, group, stream):

@@ -1,0 +1,129 @@
+"""The self-check behind ``python -m cupy_merge``: environment, compilation, checked merges on real sizes.
+
+Without a GPU it says so, still compiles every kernel with NVRTC, and succeeds.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import cupy
+import numpy
+
+from .. import _arrays, _catalogue, _kernels, merge_state, merge_states, reference
+from .timing import median_ms
+
+# (tokens, heads, head_size, dtype): decode, chunked prefill, long prefill.
+SELF_CHECK_CASES = [
+    (16, 32, 128, "bfloat16"),
+    (613, 16, 96, "float16"),
+    (4096, 32, 128, "bfloat16"),
+    (8192, 32, 128, "float32"),
+]
+MANY_STATES_CASES = [(16, 64, 32, 128, "bfloat16"), (4, 4096, 32, 128, "float16")]
+
+
+def _describe_environment() -> str:
+    nvrtc = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
+    lines = [f"cupy {cupy.__version__}, NVRTC {nvrtc}, numpy {numpy.__version__}"]
+    if cupy.cuda.is_available():
+        for device in range(cupy.cuda.runtime.getDeviceCount()):
+            props = cupy.cuda.runtime.getDeviceProperties(device)
+            lines.append(f"device {device}: {props['name'].decode()} (sm_{props['major']}{props['minor']})")
+    else:
+        lines.append("no CUDA device found: compiling only")
+    return "\n".join(lines)
+
+
+def _random_state(tokens, heads, head_size, rng):
+    v = rng.standard_normal((tokens, heads, head_size), dtype=numpy.float32)
+    s = rng.standard_normal((heads, tokens), dtype=numpy.float32) * 4
+    return v, s
+
+
+def _check_case(tokens, heads, head_size, dtype, rng) -> str:
+    cupy_dtype = _cupy_dtype(dtype)
+    if cupy_dtype is None:
+        return f"{tokens:>6} x {heads:>3} x {head_size:>4} {dtype:<9} skipped: this CuPy has no {dtype} (pip install ml_dtypes)"
+    host_a, lse_a = _random_state(tokens, heads, head_size, rng)
+    host_b, lse_b = _random_state(tokens, heads, head_size, rng)
+    v_a, v_b = cupy.asarray(host_a).astype(cupy_dtype), cupy.asarray(host_b).astype(cupy_dtype)
+    s_a, s_b = cupy.asarray(lse_a), cupy.asarray(lse_b)
+    out, out_lse = cupy.full_like(v_a, numpy.nan), cupy.full_like(s_a, numpy.nan)
+    merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=out_lse)
+    ref_v, ref_s = reference.merge_state(
+        v_a.astype(cupy.float32).get(), lse_a, v_b.astype(cupy.float32).get(), lse_b
+    )
+    got = out.astype(cupy.float32).get()
+    error = numpy.linalg.norm(got - ref_v) / numpy.linalg.norm(ref_v)
+    lse_error = numpy.max(numpy.abs(out_lse.get() - ref_s))
+    tolerance = 1e-5 if dtype == "float32" else 1e-2
+    ok = bool(numpy.isfinite(got).all()) and error <= tolerance and lse_error <= 1e-5
+    ms = median_ms(lambda: merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=out_lse))
+    moved = 3 * v_a.nbytes + 3 * s_a.nbytes
+    return (
+        f"{tokens:>6} x {heads:>3} x {head_size:>4} {dtype:<9} rel.err {error:.1e}  "
+        f"{ms * 1e3:8.1f} us  {moved / ms / 1e6:7.0f} GB/s  {'ok' if ok else 'FAILED'}"
+    )
+
+
+def _check_many(states, tokens, heads, head_size, dtype, rng) -> str:
+    cupy_dtype = _cupy_dtype(dtype)
+    label = f"{states:>3} states x {tokens:>5} x {heads:>3} x {head_size:>4} {dtype:<9}"
+    if cupy_dtype is None:
+        return f"{label} skipped: this CuPy has no {dtype} (pip install ml_dtypes)"
+    host_v = rng.standard_normal((states, tokens, heads, head_size), dtype=numpy.float32)
+    host_s = rng.standard_normal((states, heads, tokens), dtype=numpy.float32) * 4
+    v, s = cupy.asarray(host_v).astype(cupy_dtype), cupy.asarray(host_s)
+    out, out_lse = (
+        cupy.full(v.shape[1:], numpy.nan, dtype=cupy_dtype),
+        cupy.full(s.shape[1:], numpy.nan, numpy.float32),
+    )
+    merge_states(v, s, out=out, out_lse=out_lse)
+    ref_v, ref_s = reference.merge_states(v.astype(cupy.float32).get(), host_s)
+    got = out.astype(cupy.float32).get()
+    error = numpy.linalg.norm(got - ref_v) / numpy.linalg.norm(ref_v)
+    lse_error = numpy.max(numpy.abs(out_lse.get() - ref_s))
+    ok = (
+        bool(numpy.isfinite(got).all())
+        and error <= (1e-5 if dtype == "float32" else 1e-2)
+        and lse_error <= 1e-4
+    )
+    ms = median_ms(lambda: merge_states(v, s, out=out, out_lse=out_lse))
+    moved = v.nbytes + s.nbytes + out.nbytes + out_lse.nbytes
+    return f"{label} rel.err {error:.1e}  {ms * 1e3:8.1f} us  {moved / ms / 1e6:7.0f} GB/s  {'ok' if ok else 'FAILED'}"
+
+
+def _cupy_dtype(name: str):
+    """The CuPy dtype for ``name``, or ``None`` where this CuPy cannot hold it (bfloat16 needs ml_dtypes)."""
+    try:
+        dtype = _arrays.cupy_dtype(name)
+        cupy.empty(1, dtype=dtype)
+        return dtype
+    except (TypeError, ValueError, NotImplementedError):
+        return None
+
+
+def main() -> int:
+    print(_describe_environment())
+    if not cupy.cuda.is_available():
+        started = time.perf_counter()
+        count = len(_kernels.compile_offline("90", _catalogue.same_dtype_modules()))
+        print(
+            f"compiled {count} kernel instantiations for sm_90 with NVRTC in {time.perf_counter() - started:.2f} s"
+        )
+        print("no GPU here: nothing to run; the kernels compile")
+        return 0
+    started = time.perf_counter()
+    count = _kernels.compile_modules(cupy.cuda.runtime.getDevice(), _catalogue.same_dtype_modules())
+    print(f"compiled {count} kernel instantiations in {time.perf_counter() - started:.2f} s")
+    rng = numpy.random.default_rng()
+    results = [_check_case(*case, rng) for case in SELF_CHECK_CASES]
+    results += [_check_many(*case, rng) for case in MANY_STATES_CASES]
+    print("\n".join(results))
+    return 1 if any(line.endswith("FAILED") for line in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

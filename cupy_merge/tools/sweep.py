@@ -1,0 +1,180 @@
+"""``python -m cupy_merge.tools.sweep``: kernel variants side by side, checked, one table per family.
+
+Each variant is a setting of the planner's constants (``cupy_merge._plan``); the
+sweep sets it, forgets every prepared call, merges each case once to check it
+against the strided kernels' result, then times it (CUDA events, median, L2
+flushed) next to a same-bytes copy. Cells are % of the copy's speed; the last
+column is the largest relative error of any variant against the strided kernels.
+Used for docs/PERF.md: each sweep's prediction and result are recorded there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import cupy
+import numpy
+
+from .. import _dispatch, _plan, merge_state, merge_states, merge_states_varlen
+from .timing import median_ms
+
+TWO_CASES = [
+    (1, 32, 128, "bfloat16"), (64, 32, 128, "bfloat16"), (256, 32, 128, "bfloat16"), (1024, 32, 128, "bfloat16"),
+    (4096, 32, 128, "bfloat16"), (16384, 32, 128, "bfloat16"), (32768, 32, 128, "bfloat16"),
+    (4096, 8, 64, "bfloat16"), (4096, 32, 256, "bfloat16"), (8192, 16, 512, "bfloat16"), (8192, 128, 128, "bfloat16"),
+    (4096, 32, 128, "float16"), (4096, 32, 128, "float32"), (613, 16, 96, "bfloat16"),
+]  # fmt: skip
+TWO_VARIANTS = {
+    "strided": {"PACKED_KERNELS": False},
+    "packed": {},
+    "t256": {"PACKED_TWO_THREADS": 256},
+    "cs-loads": {"PACKED_STREAMING_BELOW": 2**62},
+    "plain-loads": {"PACKED_STREAMING_BELOW": 0},
+}
+#: (states, tokens, heads, head_size); states < 0: ragged with 0..-2*states states a token.
+MANY_CASES = [
+    (16, 1, 32, 128), (16, 64, 32, 128), (64, 64, 32, 128), (8, 256, 32, 128), (4, 4096, 32, 128),
+    (256, 16, 32, 128), (16, 1024, 32, 128), (8, 8192, 32, 128), (16, 2048, 8, 128), (3, 8192, 32, 128),
+    (-16, 512, 32, 128), (-8, 4096, 32, 128),
+]  # fmt: skip
+MANY_VARIANTS = {
+    "strided": {"PACKED_KERNELS": False},
+    "packed": {},
+    "t256": {"PACKED_MANY_THREADS": 256},
+    "busy64k": {"BUSY_THREADS": 64 * 1024},
+    "busy256k": {"BUSY_THREADS": 256 * 1024},
+}
+
+
+def _dtype(name: str):
+    from .._arrays import cupy_dtype
+
+    return cupy_dtype(name)
+
+
+def _copy_us(nbytes: int) -> float:
+    src = cupy.empty(max(nbytes // 2, 1), dtype=cupy.uint8)
+    dst = cupy.empty_like(src)
+    return median_ms(lambda: dst.__setitem__(Ellipsis, src)) * 1e3
+
+
+class _Settings:
+    """Planner constants set for a block, restored after; prepared calls forgotten both ways."""
+
+    def __init__(self, settings: dict):
+        self.settings = settings
+
+    def __enter__(self):
+        self.saved = {name: getattr(_plan, name) for name in self.settings}
+        for name, value in self.settings.items():
+            setattr(_plan, name, value)
+        _dispatch._calls.clear()
+
+    def __exit__(self, *exc):
+        for name, value in self.saved.items():
+            setattr(_plan, name, value)
+        _dispatch._calls.clear()
+        return False
+
+
+def _row(label: str, nbytes: int, run, variants: dict, rng_check=True) -> tuple[str, list[float], float]:
+    results, cells = {}, []
+    for name, settings in variants.items():
+        with _Settings(settings):
+            value = run()
+            results[name] = [cupy.asnumpy(x.astype(cupy.float32)) for x in value]
+            cells.append(median_ms(run) * 1e3)
+    base = results["strided"]
+    worst = 0.0
+    for got in results.values():
+        for g, w in zip(got, base):
+            finite = numpy.isfinite(w)
+            scale = max(float(numpy.linalg.norm(w[finite])), 1e-30)
+            worst = max(worst, float(numpy.linalg.norm((g - w)[finite])) / scale)
+    copy = _copy_us(nbytes)
+    return label, [copy, *[100 * copy / cell for cell in cells], cells[0]], worst
+
+
+def sweep_two(rng) -> list:
+    rows = []
+    for tokens, heads, head_size, dtype in TWO_CASES:
+        v_a, v_b = (cupy.asarray(rng.standard_normal((tokens, heads, head_size), dtype=numpy.float32)).astype(_dtype(dtype))
+                    for _ in range(2))  # fmt: skip
+        s_a, s_b = (
+            cupy.asarray(rng.standard_normal((heads, tokens), dtype=numpy.float32) * 4) for _ in range(2)
+        )
+        out, out_lse = cupy.empty_like(v_a), cupy.empty_like(s_a)
+        nbytes = 3 * v_a.nbytes + 3 * s_a.nbytes
+        run = lambda v_a=v_a, s_a=s_a, v_b=v_b, s_b=s_b, out=out, out_lse=out_lse: merge_state(
+            v_a, s_a, v_b, s_b, out=out, out_lse=out_lse
+        )
+        rows.append(_row(f"{tokens}x{heads}x{head_size} {dtype}", nbytes, run, TWO_VARIANTS))
+        print(".", end="", file=sys.stderr, flush=True)
+    return rows
+
+
+def sweep_many(rng) -> list:
+    rows = []
+    for states, tokens, heads, head_size in MANY_CASES:
+        if states < 0:
+            counts = rng.integers(0, -2 * states + 1, size=tokens)
+            indptr = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(counts)]).astype(numpy.int32))
+            rows_total = int(counts.sum())
+            v = cupy.asarray(rng.standard_normal((rows_total, heads, head_size), dtype=numpy.float32)).astype(
+                _dtype("bfloat16")
+            )
+            s = cupy.asarray(rng.standard_normal((heads, rows_total), dtype=numpy.float32) * 4)
+            label = f"ragged T={tokens} mean {-states}"
+        else:
+            v = cupy.asarray(
+                rng.standard_normal((states, tokens, heads, head_size), dtype=numpy.float32)
+            ).astype(_dtype("bfloat16"))
+            s = cupy.asarray(rng.standard_normal((states, heads, tokens), dtype=numpy.float32) * 4)
+            indptr = None
+            label = f"S={states} T={tokens} H={heads}"
+        out = cupy.empty((tokens, heads, head_size), dtype=v.dtype)
+        out_lse = cupy.empty((heads, tokens), dtype=cupy.float32)
+        nbytes = v.nbytes + s.nbytes + out.nbytes + out_lse.nbytes
+        if indptr is None:
+            run = lambda v=v, s=s, out=out, out_lse=out_lse: merge_states(v, s, out=out, out_lse=out_lse)
+        else:
+            run = lambda v=v, s=s, i=indptr, out=out, out_lse=out_lse: merge_states_varlen(
+                v, s, i, out=out, out_lse=out_lse, check_indptr=False
+            )
+        rows.append(_row(label, nbytes, run, MANY_VARIANTS))
+        print(".", end="", file=sys.stderr, flush=True)
+    return rows
+
+
+def _table(title: str, rows: list, variants: dict) -> str:
+    names = ["copy us", *[f"{n} %" for n in variants], "strided us", "max rel err"]
+    width = max(len(r[0]) for r in rows)
+    lines = [title, f"{'case':<{width}} " + " ".join(f"{n:>10}" for n in names)]
+    for label, cells, worst in rows:
+        lines.append(f"{label:<{width}} " + " ".join(f"{c:>10.1f}" for c in cells) + f" {worst:>10.1e}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m cupy_merge.tools.sweep", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--family", choices=["two", "many", "all"], default="all")
+    args = parser.parse_args(argv)
+    if not cupy.cuda.is_available():
+        print("no CUDA device: nothing to sweep")
+        return 0
+    rng = numpy.random.default_rng()
+    if args.family in ("two", "all"):
+        print(_table("two-way, % of same-bytes copy", sweep_two(rng), TWO_VARIANTS), flush=True)
+    if args.family in ("many", "all"):
+        print(
+            _table("N-way and ragged (bf16), % of same-bytes copy", sweep_many(rng), MANY_VARIANTS),
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
