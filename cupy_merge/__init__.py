@@ -8,13 +8,22 @@
 >>> merge()  # relaunch on the same arrays: the cheapest call   # doctest: +SKIP
 """
 
+try:
+    import cupy  # noqa: F401
+except ModuleNotFoundError as error:
+    if error.name != "cupy":
+        raise
+    raise ImportError(
+        "cupy_merge needs CuPy: pip install 'cupy-merge[cu12]' (CUDA 12) or 'cupy-merge[cu13]' (CUDA 13)"
+    ) from None
+
 from . import distributed, reference
 from ._kernels import KernelCompileError
 from .bound import BoundMerge, bind
 from .merge import merge_attn_states, merge_state, merge_state_in_place
 from .merge_many import merge_states, merge_states_varlen
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "BoundMerge",

@@ -13,7 +13,7 @@ imported here: a tensor is recognised only when the caller has loaded torch
 from __future__ import annotations
 
 import sys
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import cupy
 import numpy
@@ -21,6 +21,19 @@ import numpy
 # DLPack device types (dlpack.h): the CUDA ones the kernels can read.
 _DLPACK_CUDA = 2
 _DLPACK_CUDA_MANAGED = 13
+
+
+class DeviceArray(Protocol):
+    """What the merges take and return: a CuPy array, a torch CUDA tensor, a JAX array, or any
+    ``__cuda_array_interface__`` or DLPack producer of GPU memory (checked when called)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+#: A CUDA stream: ``None`` (the current one), a raw ``cudaStream_t`` as ``int``, a CuPy or
+#: torch stream, or any object with ``__cuda_stream__``.
+Stream: TypeAlias = Any
 
 
 class ArrayView(NamedTuple):

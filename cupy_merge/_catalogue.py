@@ -61,7 +61,7 @@ def _cpp(value: object) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if value in VALUE_CTYPES:
-        return VALUE_CTYPES[value]  # type: ignore[index]
+        return VALUE_CTYPES[value]
     return str(value)
 
 

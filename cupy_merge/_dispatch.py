@@ -16,7 +16,7 @@ operation's order and calls :func:`call`:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from . import _arrays, _checks, _kernels, _plan
 from ._arrays import ArrayView
@@ -136,41 +136,72 @@ def plan_call(operation: Operation, options: tuple, views: list[ArrayView | None
     Outputs the caller left out (``None``, where the operation allocates) are
     planned as fresh C-contiguous arrays; their pointers are patched in on each run.
     """
-    names = operation.names
     if operation.many:
-        state, num_states = _checks.check_many_inputs(views[2], views[3], views[4], names)
-    else:
-        state = _checks.check_two_inputs(views[2], views[3], views[4], views[5], names)
-    views = list(views)
-    out_dtype = options.out_dtype
-    if out_dtype is not None and views[OUT] is not None and views[OUT].dtype != out_dtype:
-        raise TypeError(
-            f"out_dtype: expected the dtype of {names.out} ({views[OUT].dtype}) or None, got {out_dtype!r}"
-        )
-    fresh_shapes = []
-    if operation.allocates:
-        values_shape = (state.num_tokens, state.num_heads, state.head_size)
-        for position, shape, dtype in (
-            (OUT, values_shape, out_dtype or state.dtype),
-            (OUT_LSE, (state.num_heads, state.num_tokens), "float32"),
-        ):
-            if views[position] is None:
-                views[position] = _fresh_view(shape, dtype, state.device)
-                fresh_shapes.append((position, shape, dtype))
+        return _plan_many(operation, cast(_plan.ManyStateOptions, options), views)
+    return _plan_two(operation, cast(_plan.TwoStateOptions, options), views)
 
-    if operation.many:
-        _checks.check_many_states(*views, state, names)
-        plan = _plan.plan_many_states(state, num_states, *views, options)
-    else:
-        _checks.check_two_states(*views, state, names)
-        plan = _plan.plan_two_states(state, *views, options)
 
-    slots = {OUT: plan.out_slot, OUT_LSE: plan.out_lse_slot} if plan is not None else {OUT: 0, OUT_LSE: 0}
-    fresh = tuple(
-        FreshOutput(position, slots[position], shape, dtype) for position, shape, dtype in fresh_shapes
+def _plan_two(operation: Operation, options: _plan.TwoStateOptions, views: list[ArrayView | None]) -> Planned:
+    names = cast(_checks.TwoStateNames, operation.names)
+    out, out_lse, v_a, s_a, v_b, s_b, mask = views
+    state = _checks.check_two_inputs(_given(v_a), _given(s_a), _given(v_b), _given(s_b), names)
+    out, out_lse, fresh = _outputs(operation, options.out_dtype, state, out, out_lse)
+    _checks.check_two_states(
+        out, out_lse, _given(v_a), _given(s_a), _given(v_b), _given(s_b), mask, state, names
     )
-    indptr_rows = num_states if operation.many and views[4] is not None and options.check_indptr else None
-    return Planned(plan, state.device, fresh, indptr_rows)
+    plan = _plan.plan_two_states(
+        state, out, out_lse, _given(v_a), _given(s_a), _given(v_b), _given(s_b), mask, options
+    )
+    return Planned(plan, state.device, _fresh(fresh, plan), None)
+
+
+def _plan_many(
+    operation: Operation, options: _plan.ManyStateOptions, views: list[ArrayView | None]
+) -> Planned:
+    names = cast(_checks.ManyStateNames, operation.names)
+    out, out_lse, v, s, indptr = views
+    state, num_states = _checks.check_many_inputs(_given(v), _given(s), indptr, names)
+    out, out_lse, fresh = _outputs(operation, options.out_dtype, state, out, out_lse)
+    _checks.check_many_states(out, out_lse, _given(v), _given(s), indptr, state, names)
+    plan = _plan.plan_many_states(state, num_states, out, out_lse, _given(v), _given(s), indptr, options)
+    indptr_rows = num_states if indptr is not None and options.check_indptr else None
+    return Planned(plan, state.device, _fresh(fresh, plan), indptr_rows)
+
+
+def _given(view: ArrayView | None) -> ArrayView:
+    """A view ``prepare`` described: only optional positions may be None."""
+    assert view is not None
+    return view
+
+
+def _outputs(
+    operation: Operation,
+    out_dtype: str | None,
+    state: _checks.StateShape,
+    out: ArrayView | None,
+    out_lse: ArrayView | None,
+) -> tuple[ArrayView, ArrayView | None, list[tuple[int, tuple[int, ...], str]]]:
+    """The outputs' views; the ones to allocate as fresh views, listed as (position, shape, dtype)."""
+    if out_dtype is not None and out is not None and out.dtype != out_dtype:
+        raise TypeError(
+            f"out_dtype: expected the dtype of {operation.names.out} ({out.dtype}) or None, got {out_dtype!r}"
+        )
+    fresh: list[tuple[int, tuple[int, ...], str]] = []
+    if operation.allocates and out is None:
+        shape = (state.num_tokens, state.num_heads, state.head_size)
+        out = _fresh_view(shape, out_dtype or state.dtype, state.device)
+        fresh.append((OUT, shape, out.dtype))
+    if operation.allocates and out_lse is None:
+        out_lse = _fresh_view((state.num_heads, state.num_tokens), "float32", state.device)
+        fresh.append((OUT_LSE, out_lse.shape, "float32"))
+    return _given(out), out_lse, fresh
+
+
+def _fresh(
+    fresh: list[tuple[int, tuple[int, ...], str]], plan: _plan.LaunchPlan | None
+) -> tuple[FreshOutput, ...]:
+    slots = {OUT: plan.out_slot, OUT_LSE: plan.out_lse_slot} if plan is not None else {OUT: 0, OUT_LSE: 0}
+    return tuple(FreshOutput(position, slots[position], shape, dtype) for position, shape, dtype in fresh)
 
 
 def _fresh_view(shape: tuple[int, ...], dtype: str, device: int) -> ArrayView:
@@ -202,7 +233,8 @@ def run(operation: Operation, prepared: Call, arrays: tuple, stream: Any) -> Any
 def check_values(operation: Operation, prepared: Call, arrays: tuple) -> None:
     """The checks of argument *values* that run on every call: a ragged merge's indptr, when asked."""
     if prepared.indptr_rows is not None:
-        _checks.indptr_values(_arrays.to_numpy(arrays[4]), prepared.indptr_rows, operation.names.indptr)
+        names = cast(_checks.ManyStateNames, operation.names)
+        _checks.indptr_values(_arrays.to_numpy(arrays[4]), prepared.indptr_rows, names.indptr)
 
 
 def allocate(prepared: Call, out: Any, out_lse: Any, stream: int | None) -> tuple[Any, Any, list]:

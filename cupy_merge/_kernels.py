@@ -11,10 +11,15 @@ pointer or an integer (32-bit ones read the low half of their slot).
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import importlib.resources
+import json
+import logging
+import os
+import pathlib
 import re
 import threading
+import time
 from typing import NamedTuple
 
 import cupy
@@ -24,10 +29,32 @@ from . import _catalogue as cat
 from ._plan import LaunchPlan
 
 _INCLUDE = re.compile(r'^#include "([^"]+)"$', re.MULTILINE)
+_log = logging.getLogger("cupy_merge")
+
+#: NVRTC could not be loaded: what to install, in one line.
+NVRTC_HINT = (
+    "NVRTC (libnvrtc) could not be loaded: install the CUDA runtime compiler wheel of your CUDA major, "
+    "pip install 'cupy-merge[cu12]' (nvidia-cuda-nvrtc-cu12) or 'cupy-merge[cu13]' (nvidia-cuda-nvrtc)"
+)
 
 
 class KernelCompileError(RuntimeError):
-    """NVRTC rejected a kernel; ``log`` holds NVRTC's own message."""
+    """NVRTC rejected a kernel source; ``log`` holds NVRTC's own message.
+
+    Parameters
+    ----------
+    source_name : str
+        The ``.cu`` file that failed (in ``cupy_merge/cuda_src``).
+    log : str
+        NVRTC's compilation log.
+
+    Examples
+    --------
+    >>> from cupy_merge import KernelCompileError
+    >>> error = KernelCompileError("merge_two_states.cu", "error: expected a ';'")
+    >>> error.log
+    "error: expected a ';'"
+    """
 
     def __init__(self, source_name: str, log: str):
         super().__init__(f"NVRTC failed to compile {source_name}:\n{log}")
@@ -48,15 +75,42 @@ def kernel_source(name: str) -> str:
     return _INCLUDE.sub(inline, (folder / name).read_text(encoding="utf-8"))
 
 
-@functools.cache
+def nvrtc_version() -> tuple[int, int]:
+    """NVRTC's version; ``RuntimeError`` with what to install when it cannot be loaded."""
+    try:
+        major, minor = cupy.cuda.nvrtc.getVersion()
+        return int(major), int(minor)
+    except Exception as error:  # noqa: BLE001 - CuPy raises several kinds when the library is missing
+        raise RuntimeError(f"{NVRTC_HINT} ({type(error).__name__})") from None
+
+
+_modules: dict[tuple[cat.Module, int], cupy.RawModule] = {}
+
+
 def _module(module: cat.Module, device: int) -> cupy.RawModule:
-    """One module per (source, input dtype, output dtype) and device: compiled on first use only."""
-    return cupy.RawModule(
-        code=kernel_source(module.source),
-        options=cat.COMPILE_OPTIONS,
-        name_expressions=cat.module_instances(module),
-        backend="nvrtc",
-    )
+    """One module per (source, input dtype, output dtype) and device, compiled on first use.
+
+    Called with ``_functions_lock`` held. CuPy keeps the binary in its on-disk
+    cache, so another process loads it without compiling.
+    """
+    key = (module, device)
+    compiled = _modules.get(key)
+    if compiled is None:
+        nvrtc_version()
+        started = time.perf_counter()
+        compiled = cupy.RawModule(
+            code=kernel_source(module.source),
+            options=cat.COMPILE_OPTIONS,
+            name_expressions=cat.module_instances(module),
+            backend="nvrtc",
+        )
+        compiled.get_function(cat.module_instances(module)[0])  # compiles (or loads) now, not at first launch
+        _log.info(
+            "compiled %s for %s -> %s on device %d in %.2f s",
+            module.source, module.in_dtype, module.out_dtype, device, time.perf_counter() - started,
+        )  # fmt: skip
+        _modules[key] = compiled
+    return compiled
 
 
 class Function(NamedTuple):
@@ -193,29 +247,81 @@ def launch_patched(prepared: PreparedLaunch, stream: int, patches: list[tuple[in
         launch(prepared, stream)
 
 
-def compile_offline(arch: str, modules: list[cat.Module] | None = None) -> dict[str, str]:
+def cache_folder() -> pathlib.Path:
+    """Where NVRTC output compiled without a GPU is kept: ``$CUPY_MERGE_CACHE_DIR``, else
+    ``cupy_merge/`` in CuPy's kernel cache folder (``$CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``)."""
+    folder = os.environ.get("CUPY_MERGE_CACHE_DIR")
+    if folder:
+        return pathlib.Path(folder)
+    cupy_folder = os.environ.get("CUPY_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cupy", "kernel_cache"
+    )
+    return pathlib.Path(cupy_folder) / "cupy_merge"
+
+
+def compile_offline(
+    arch: str, modules: list[cat.Module] | None = None, *, cache: bool = True
+) -> dict[str, str]:
     """Compile ``modules`` (default: all) for ``sm_<arch>`` with NVRTC alone; no GPU is needed.
 
     Uses the same source, grouping and options as the run-time path. Returns each
     name expression's mangled name; raises :class:`KernelCompileError` with NVRTC's log.
+    With ``cache``, a module's binary and names are kept in :func:`cache_folder`,
+    keyed by source, options, architecture and NVRTC version, so a second run loads them.
     """
     from cupy.cuda import nvrtc
 
+    version = nvrtc_version()
     lowered = {}
     for module in modules if modules is not None else cat.all_modules():
         kernels = cat.module_instances(module)
-        program = nvrtc.createProgram(kernel_source(module.source), module.source, [], [])
+        source = kernel_source(module.source)
+        options = [*cat.COMPILE_OPTIONS, f"--gpu-architecture=sm_{arch}"]
+        digest = hashlib.sha256(json.dumps([source, options, kernels, version]).encode()).hexdigest()[:32]
+        names_file = cache_folder() / f"{digest}.json"
+        if cache and names_file.is_file():
+            lowered.update(json.loads(names_file.read_text()))
+            _log.debug(
+                "loaded %s (%s -> %s) for sm_%s from %s",
+                module.source,
+                module.in_dtype,
+                module.out_dtype,
+                arch,
+                names_file,
+            )
+            continue
+        started = time.perf_counter()
+        program = nvrtc.createProgram(source, module.source, [], [])
         try:
             for kernel in kernels:
                 nvrtc.addNameExpression(program, kernel)
             try:
-                nvrtc.compileProgram(program, [*cat.COMPILE_OPTIONS, f"--gpu-architecture=sm_{arch}"])
+                nvrtc.compileProgram(program, options)
             except nvrtc.NVRTCError as error:
                 raise KernelCompileError(module.source, nvrtc.getProgramLog(program)) from error
-            if not nvrtc.getCUBIN(program):
+            binary = nvrtc.getCUBIN(program)
+            if not binary:
                 raise KernelCompileError(module.source, "NVRTC produced an empty binary")
-            for kernel in kernels:
-                lowered[kernel] = nvrtc.getLoweredName(program, kernel)
+            names = {kernel: nvrtc.getLoweredName(program, kernel) for kernel in kernels}
         finally:
             nvrtc.destroyProgram(program)
+        _log.info(
+            "compiled %s for %s -> %s for sm_%s in %.2f s",
+            module.source, module.in_dtype, module.out_dtype, arch, time.perf_counter() - started,
+        )  # fmt: skip
+        lowered.update(names)
+        if cache:
+            _store(names_file, binary, names)
     return lowered
+
+
+def _store(names_file: pathlib.Path, binary: bytes, names: dict[str, str]) -> None:
+    """Write the binary and its names beside each other; a cache that cannot be written is skipped."""
+    try:
+        names_file.parent.mkdir(parents=True, exist_ok=True)
+        names_file.with_suffix(".cubin").write_bytes(binary)
+        partial = names_file.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(names))
+        partial.replace(names_file)  # atomic: a reader sees the whole file or none
+    except OSError as error:
+        _log.warning("could not write the NVRTC cache %s: %s", names_file.parent, error)

@@ -6,23 +6,15 @@ prepared launch again (about half of the host time of a small merge). ``bind``
 does that, and every check, once; the object it returns relaunches the kernel
 with nothing else on the host but, for torch tensors, a look at each tensor's
 data pointer (a tensor's storage can be swapped or freed behind its back).
-
-Example
--------
->>> import cupy, cupy_merge as cm
->>> v_a, v_b, out = cupy.random.randn(3, 4, 8, 128).astype(cupy.float16)
->>> s_a, s_b = cupy.random.randn(2, 8, 4).astype(cupy.float32)
->>> merge = cm.bind(cm.merge_attn_states, out, v_a, s_a, v_b, s_b)
->>> for step in range(3):
-...     v_a[...] = step            # new data in the same buffers
-...     merge()                    # or merge(stream=s)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from . import _arrays, _dispatch, _kernels
+from ._arrays import Stream
 from .merge import merge_attn_states, merge_state, merge_state_in_place
 from .merge_many import merge_states, merge_states_varlen
 
@@ -32,15 +24,29 @@ _BINDABLE = (merge_attn_states, merge_state, merge_state_in_place, merge_states,
 class BoundMerge:
     """One merge bound to its arrays: ``bound(stream=None)`` launches it again.
 
-    Holds every array it was bound to (and the outputs it allocated), so their
-    memory stays valid for as long as the bound merge lives. It merges the
-    arrays as they were when bound: shapes and strides are not read again
-    (rebind after changing them in place). A torch tensor whose data pointer
-    has changed since (``t.data = ...``, ``t.set_(...)``, a storage resized or
-    freed) is refused with ``RuntimeError`` before anything is launched.
-    Returns what the merge returned when bound: the same output arrays every
-    time, for the functions that return them. Launched on a stream other than
-    the current one, keep the bound merge alive until that stream has finished.
+    Made by :func:`bind`. Holds every array it was bound to (and the outputs it
+    allocated), so their memory stays valid for as long as the bound merge lives.
+    It merges the arrays as they were when bound: shapes and strides are not read
+    again (rebind after changing them in place). A torch tensor whose data
+    pointer has changed since (``t.data = ...``, ``t.set_(...)``, a storage
+    resized or freed) is refused with ``RuntimeError`` before anything is
+    launched. Launched on a stream other than the current one, keep the bound
+    merge alive until that stream has finished.
+
+    Parameters
+    ----------
+    prepared : Prepared
+        The merge's prepared call and arrays, as a merge returns them when given
+        ``stream=PREPARE`` (what :func:`bind` does).
+
+    Examples
+    --------
+    >>> import cupy, cupy_merge as cm
+    >>> v = cupy.ones((2, 4, 8, 64), dtype=cupy.float32)
+    >>> s = cupy.zeros((2, 8, 4), dtype=cupy.float32)
+    >>> merge = cm.bind(cm.merge_states, v, s)
+    >>> merge
+    <BoundMerge of cupy arrays on device 0: launches a prepared kernel>
     """
 
     __slots__ = ("_adapter", "_device", "_keep_alive", "_launch", "_result", "_torch_pointers")
@@ -66,8 +72,32 @@ class BoundMerge:
             if torch is not None and isinstance(tensor, torch.Tensor)
         )
 
-    def __call__(self, stream: Any = None) -> Any:
-        """Launch on ``stream`` (default: the current stream of the arrays' kind, as the merges do)."""
+    def __call__(self, stream: Stream = None) -> Any:
+        """Launch the merge again.
+
+        Parameters
+        ----------
+        stream : Stream
+            Where to launch: the current stream of the arrays' kind when None,
+            as the merges do.
+
+        Returns
+        -------
+        tuple or None
+            What the merge returned when bound: the same output arrays each time
+            for ``merge_state``, ``merge_states`` and ``merge_states_varlen``,
+            None for the merges that write into their arguments.
+
+        Examples
+        --------
+        >>> import cupy, cupy_merge as cm
+        >>> v = cupy.ones((2, 4, 8, 64), dtype=cupy.float32)
+        >>> s = cupy.zeros((2, 8, 4), dtype=cupy.float32)
+        >>> merge = cm.bind(cm.merge_states, v, s)
+        >>> out, lse = merge(stream=cupy.cuda.Stream.null)
+        >>> merge()[0] is out
+        True
+        """
         for tensor, pointer, name in self._torch_pointers:
             if tensor.data_ptr() != pointer:
                 raise RuntimeError(
@@ -87,7 +117,7 @@ class BoundMerge:
         return f"<BoundMerge of {self._adapter.kind} arrays on device {self._device}: launches {kernel}>"
 
 
-def bind(merge: Any, *args: Any, **kwargs: Any) -> BoundMerge:
+def bind(merge: Callable[..., Any], *args: Any, **kwargs: Any) -> BoundMerge:
     """Check and plan ``merge(*args, **kwargs)`` without launching it; return it bound.
 
     Parameters
@@ -95,16 +125,38 @@ def bind(merge: Any, *args: Any, **kwargs: Any) -> BoundMerge:
     merge : callable
         One of :func:`merge_attn_states`, :func:`merge_state`, :func:`merge_state_in_place`,
         :func:`merge_states` or :func:`merge_states_varlen`.
-    *args, **kwargs
-        That function's arguments, without ``stream`` (give it to each launch).
-        Outputs the merge would allocate are allocated once, here, and written by
-        every launch. ``check_indptr`` (ragged merges) checks the offsets once,
-        here; the kernel guards them on every launch (NaN rows for bad offsets).
+    *args : DeviceArray
+        That function's positional arguments.
+    **kwargs : object
+        Its keyword arguments, without ``stream`` (give it to each launch).
+        Outputs the merge would allocate are allocated once, here, and written
+        by every launch. ``check_indptr`` (ragged merges) checks the offsets
+        once, here; the kernel guards them on every launch (NaN rows for bad offsets).
 
     Returns
     -------
     BoundMerge
         Call it (``bound()`` or ``bound(stream=s)``) to launch the merge.
+
+    Raises
+    ------
+    TypeError
+        ``merge`` is not one of the merges, ``stream`` was given, the arrays are
+        JAX arrays (immutable), or an argument is of the wrong kind.
+    ValueError
+        As the merge itself would raise it, before anything runs.
+
+    Examples
+    --------
+    >>> import cupy, cupy_merge as cm
+    >>> v_a, v_b, out = cupy.zeros((3, 4, 8, 128), dtype=cupy.float16)
+    >>> s_a, s_b = cupy.zeros((2, 8, 4), dtype=cupy.float32)
+    >>> merge = cm.bind(cm.merge_attn_states, out, v_a, s_a, v_b, s_b)
+    >>> for step in range(3):
+    ...     v_a[...] = step  # new data in the same buffers
+    ...     merge()  # or merge(stream=s)
+    >>> float(out[0, 0, 0])  # the mean of 2 and 0, equal weights
+    1.0
     """
     if not any(merge is bindable for bindable in _BINDABLE):
         names = ", ".join(f.__name__ for f in _BINDABLE)

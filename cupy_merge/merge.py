@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _checks, _dispatch
+from ._arrays import DeviceArray, Stream
 from ._plan import TwoStateOptions
 
 _MERGE_ATTN_STATES = _dispatch.Operation.two_states(
@@ -39,46 +40,75 @@ _MERGE_STATE_IN_PLACE = _dispatch.Operation.two_states(
 
 
 def merge_attn_states(
-    output: Any,
-    prefix_output: Any,
-    prefix_lse: Any,
-    suffix_output: Any,
-    suffix_lse: Any,
-    output_lse: Any | None = None,
+    output: DeviceArray,
+    prefix_output: DeviceArray,
+    prefix_lse: DeviceArray,
+    suffix_output: DeviceArray,
+    suffix_lse: DeviceArray,
+    output_lse: DeviceArray | None = None,
     prefill_tokens_with_context: int | None = None,
     *,
-    lse_base: Any = "e",
-    stream: Any = None,
+    lse_base: str | int = "e",
+    stream: Stream = None,
 ) -> None:
     """Merge two attention states into ``output`` (vLLM's ``merge_attn_states``).
 
+    The signature and meaning of vLLM's op, so serving code can swap it in:
+    ``output = w_p * prefix_output + w_s * suffix_output`` with weights from the
+    two log-sum-exps, written in place; nothing is returned.
+
     Parameters
     ----------
-    output : ``[num_tokens, num_heads, head_size]``, written
-        Any value dtype (e.g. bfloat16 from float32 partials). May be the very
-        same array as ``prefix_output`` or ``suffix_output``.
-    prefix_output, suffix_output : ``[num_tokens, num_heads, head_size]``
-        The two partial attention outputs, of one dtype.
-    prefix_lse, suffix_lse : float32 ``[num_heads, num_tokens]``
-        Their log-sum-exp. ``+inf`` is read as ``-inf`` (an empty row).
-    output_lse : float32 ``[num_heads, num_tokens]``, optional, written
-        The merged log-sum-exp; may be ``prefix_lse`` or ``suffix_lse`` itself.
+    output : DeviceArray
+        ``[num_tokens, num_heads, head_size]``, written. Any value dtype (e.g.
+        bfloat16 from float32 partials). May be the very same array as
+        ``prefix_output`` or ``suffix_output``; must not overlap anything else.
+    prefix_output : DeviceArray
+        ``[num_tokens, num_heads, head_size]``, float32, float16 or bfloat16.
+    prefix_lse : DeviceArray
+        Log-sum-exp of ``prefix_output``'s scores: float32 ``[num_heads, num_tokens]``,
+        any strides (a token-major buffer as its transpose). ``+inf`` is read as
+        ``-inf`` (an empty row).
+    suffix_output : DeviceArray
+        Like ``prefix_output``, of its dtype.
+    suffix_lse : DeviceArray
+        Like ``prefix_lse``.
+    output_lse : DeviceArray, optional
+        The merged log-sum-exp, float32 ``[num_heads, num_tokens]``, written; may
+        be ``prefix_lse`` or ``suffix_lse`` itself. Not written when None.
     prefill_tokens_with_context : int, optional
-        Tokens at or past this index take the suffix unchanged (values and LSE):
-        they had no prefix context. ``None`` merges every token.
-    lse_base : ``"e"`` or ``2``
+        Tokens at or past this index take the suffix unchanged (values and LSE,
+        bit for bit): they had no prefix context. None merges every token.
+    lse_base : {"e", 2}
         Base of every LSE in and out: natural log (vLLM) or base 2 (FlashInfer).
-    stream : optional
-        CUDA stream to launch on; defaults to torch's current stream for torch
-        tensors and CuPy's current stream otherwise.
+    stream : Stream
+        Where to launch: torch's current stream for torch tensors, CuPy's
+        current stream otherwise, unless given.
 
-    Example
+    Returns
     -------
+    None
+        The result is in ``output`` (and ``output_lse``).
+
+    Raises
+    ------
+    TypeError
+        An argument of the wrong kind or dtype; the message names it.
+    ValueError
+        A wrong shape, device, stride, alignment or overlap; the message names it.
+
+    See Also
+    --------
+    merge_state : The same merge, returning new arrays when no output is given.
+    bind : Check and plan once, relaunch for the price of a kernel launch.
+
+    Examples
+    --------
     >>> import cupy, cupy_merge as cm
-    >>> v = cupy.random.randn(4, 8, 128).astype(cupy.float16)
-    >>> s = cupy.random.randn(8, 4).astype(cupy.float32)
+    >>> v = cupy.random.standard_normal((4, 8, 128), dtype=cupy.float32).astype(cupy.float16)
+    >>> s = cupy.zeros((8, 4), dtype=cupy.float32)
     >>> out = cupy.empty_like(v)
-    >>> cm.merge_attn_states(out, v, s, v, s)
+    >>> cm.merge_attn_states(out, v, s, v, s)  # a state merged with itself is itself
     >>> bool(cupy.allclose(out, v, atol=1e-3))
     True
     """
@@ -90,81 +120,110 @@ def merge_attn_states(
 
 
 def merge_state(
-    v_a: Any,
-    s_a: Any,
-    v_b: Any,
-    s_b: Any,
+    v_a: DeviceArray,
+    s_a: DeviceArray,
+    v_b: DeviceArray,
+    s_b: DeviceArray,
     *,
-    out: Any | None = None,
-    out_lse: Any | None = None,
+    out: DeviceArray | None = None,
+    out_lse: DeviceArray | None = None,
     out_dtype: Any = None,
-    lse_base: Any = "e",
-    stream: Any = None,
-) -> tuple[Any, Any]:
+    lse_base: str | int = "e",
+    stream: Stream = None,
+) -> tuple[DeviceArray, DeviceArray]:
     """Merge two attention states and return the merged ``(v, s)``.
+
+    FlashInfer's ``merge_state`` with NumPy-style ``out=`` arguments: outputs not
+    given are allocated (C-contiguous, on the stream that writes them).
 
     Parameters
     ----------
-    v_a, v_b : ``[num_tokens, num_heads, head_size]``, float32, float16 or bfloat16
-    s_a, s_b : float32 ``[num_heads, num_tokens]``
-    out : ``[num_tokens, num_heads, head_size]``, optional
-        Where to write the merged values; allocated (C-contiguous) if omitted.
-        May be ``v_a`` or ``v_b`` itself for an in-place merge.
-    out_lse : float32 ``[num_heads, num_tokens]``, optional
-        Where to write the merged LSE; allocated if omitted; may be ``s_a`` or ``s_b``.
-    out_dtype : optional
+    v_a : DeviceArray
+        ``[num_tokens, num_heads, head_size]``, float32, float16 or bfloat16.
+    s_a : DeviceArray
+        Log-sum-exp of ``v_a``'s scores, float32 ``[num_heads, num_tokens]``.
+    v_b : DeviceArray
+        Like ``v_a``, of its dtype.
+    s_b : DeviceArray
+        Like ``s_a``.
+    out : DeviceArray, optional
+        ``[num_tokens, num_heads, head_size]`` to write the merged values into;
+        allocated if omitted. May be ``v_a`` or ``v_b`` itself (in place).
+    out_lse : DeviceArray, optional
+        Where to write the merged LSE, float32 ``[num_heads, num_tokens]``;
+        allocated if omitted; may be ``s_a`` or ``s_b``.
+    out_dtype : str or dtype, optional
         Dtype of an allocated ``out`` (``"bfloat16"``, ``torch.float16``, ...);
-        defaults to the input dtype. Must match ``out`` when both are given.
-    lse_base : ``"e"`` or ``2``
+        the input dtype by default. Must match ``out`` when both are given.
+    lse_base : {"e", 2}
         Base of every LSE in and out.
-    stream : optional
+    stream : Stream
         As for :func:`merge_attn_states`.
 
     Returns
     -------
-    (v, s)
-        In the caller's kind: CuPy arrays for CuPy input, torch tensors for
-        torch input, JAX arrays for JAX input, CuPy arrays for other DLPack or
-        ``__cuda_array_interface__`` producers.
+    v : DeviceArray
+        The merged values, ``[num_tokens, num_heads, head_size]``.
+    s : DeviceArray
+        The merged log-sum-exp, ``[num_heads, num_tokens]``. Both in the caller's
+        kind: CuPy for CuPy, torch for torch, JAX for JAX, CuPy for other producers.
 
-    Example
-    -------
-    >>> import torch, cupy_merge as cm
-    >>> v_a, v_b = torch.randn(2, 16, 32, 128, device="cuda", dtype=torch.bfloat16)
-    >>> s_a, s_b = torch.randn(2, 32, 16, device="cuda")
-    >>> v, s = cm.merge_state(v_a, s_a, v_b, s_b)
-    >>> v.shape, s.shape
-    (torch.Size([16, 32, 128]), torch.Size([32, 16]))
+    See Also
+    --------
+    merge_states : Any number of states in one pass.
+
+    Examples
+    --------
+    >>> import cupy, cupy_merge as cm
+    >>> v_a = cupy.ones((16, 32, 128), dtype=cupy.float32)
+    >>> v_b = 3 * v_a
+    >>> s_a = s_b = cupy.zeros((32, 16), dtype=cupy.float32)  # equal weights
+    >>> v, s = cm.merge_state(v_a, s_a, v_b, s_b, out_dtype="float16")
+    >>> v.dtype, float(v[0, 0, 0]), round(float(s[0, 0]), 4)
+    (dtype('float16'), 2.0, 0.6931)
     """
     options = TwoStateOptions(_checks.lse_base_flag(lse_base), None, _checks.optional_value_dtype(out_dtype))
     return _dispatch.call(_MERGE_STATE, options, (out, out_lse, v_a, s_a, v_b, s_b, None), stream)
 
 
 def merge_state_in_place(
-    v: Any,
-    s: Any,
-    v_other: Any,
-    s_other: Any,
-    mask: Any | None = None,
+    v: DeviceArray,
+    s: DeviceArray,
+    v_other: DeviceArray,
+    s_other: DeviceArray,
+    mask: DeviceArray | None = None,
     *,
-    lse_base: Any = "e",
-    stream: Any = None,
+    lse_base: str | int = "e",
+    stream: Stream = None,
 ) -> None:
     """Merge ``(v_other, s_other)`` into ``(v, s)`` in place (FlashInfer's ``merge_state_in_place``).
 
     Parameters
     ----------
-    v, v_other : ``[num_tokens, num_heads, head_size]``, one value dtype; ``v`` is updated
-    s, s_other : float32 ``[num_heads, num_tokens]``; ``s`` is updated
-    mask : bool ``[num_tokens]``, optional
-        Tokens where it is False are left untouched (nothing read or written), so
-        one captured CUDA graph serves batches where only some tokens have a
-        second state.
-    lse_base, stream :
+    v : DeviceArray
+        ``[num_tokens, num_heads, head_size]``, updated in place.
+    s : DeviceArray
+        Its log-sum-exp, float32 ``[num_heads, num_tokens]``, updated in place.
+    v_other : DeviceArray
+        Like ``v``, of its dtype.
+    s_other : DeviceArray
+        Like ``s``.
+    mask : DeviceArray, optional
+        Bool ``[num_tokens]``: tokens where it is False are left untouched
+        (nothing read or written), so one captured CUDA graph serves batches
+        where only some tokens have a second state.
+    lse_base : {"e", 2}
+        Base of every LSE in and out.
+    stream : Stream
         As for :func:`merge_attn_states`.
 
-    Example
+    Returns
     -------
+    None
+        The result is in ``v`` and ``s``.
+
+    Examples
+    --------
     >>> import cupy, cupy_merge as cm
     >>> v, w = cupy.ones((2, 3, 8, 64), dtype=cupy.float32)
     >>> s, t = cupy.zeros((2, 8, 3), dtype=cupy.float32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _checks, _dispatch
+from ._arrays import DeviceArray, Stream
 from ._plan import ManyStateOptions
 
 _MERGE_STATES = _dispatch.Operation.many_states("merge_states", ragged=False)
@@ -12,91 +13,125 @@ _MERGE_STATES_VARLEN = _dispatch.Operation.many_states("merge_states_varlen", ra
 
 
 def merge_states(
-    v: Any,
-    s: Any,
+    v: DeviceArray,
+    s: DeviceArray,
     *,
-    out: Any | None = None,
-    out_lse: Any | None = None,
-    lse_base: Any = "e",
+    out: DeviceArray | None = None,
+    out_lse: DeviceArray | None = None,
+    lse_base: str | int = "e",
     out_dtype: Any = None,
-    stream: Any = None,
-) -> tuple[Any, Any]:
+    stream: Stream = None,
+) -> tuple[DeviceArray, DeviceArray]:
     """Merge ``num_states`` attention states of the same tokens in one pass over memory.
+
+    Split-KV decoding's last step: each state is the attention of the same
+    queries over one split of the KV sequence.
 
     Parameters
     ----------
-    v : ``[num_states, num_tokens, num_heads, head_size]``, float32, float16 or bfloat16
-        Any strides with a contiguous last dimension: FlashInfer's token-major
-        ``[num_tokens, num_states, num_heads, head_size]`` buffer is passed as
-        ``buffer.transpose(1, 0, 2, 3)`` (torch: ``buffer.transpose(0, 1)``), no copy.
-    s : float32 ``[num_states, num_heads, num_tokens]``
-        Their log-sum-exp, any strides (``[num_tokens, num_states, num_heads]`` as
-        ``lse.transpose(1, 2, 0)`` / ``lse.permute(1, 2, 0)``). +inf is read as -inf.
-    out : ``[num_tokens, num_heads, head_size]``, optional
-        Any value dtype; allocated if omitted. Must not overlap the inputs.
-    out_lse : float32 ``[num_heads, num_tokens]``, optional
-    lse_base : ``"e"`` or ``2``
+    v : DeviceArray
+        ``[num_states, num_tokens, num_heads, head_size]``, float32, float16 or
+        bfloat16, any strides with a contiguous last dimension: FlashInfer's
+        token-major ``[num_tokens, num_states, num_heads, head_size]`` buffer is
+        passed as ``buffer.transpose(1, 0, 2, 3)`` (torch: ``buffer.transpose(0, 1)``).
+    s : DeviceArray
+        Their log-sum-exp, float32 ``[num_states, num_heads, num_tokens]``, any
+        strides (``[num_tokens, num_states, num_heads]`` as ``lse.transpose(1, 2, 0)``,
+        torch: ``lse.permute(1, 2, 0)``). ``+inf`` is read as ``-inf``.
+    out : DeviceArray, optional
+        ``[num_tokens, num_heads, head_size]`` of any value dtype; allocated if
+        omitted. Must not overlap the inputs.
+    out_lse : DeviceArray, optional
+        Float32 ``[num_heads, num_tokens]``; allocated if omitted.
+    lse_base : {"e", 2}
         Base of the LSE in and out: natural log (vLLM) or base 2 (FlashInfer).
-    out_dtype : optional
+    out_dtype : str or dtype, optional
         Dtype of an allocated ``out``, e.g. bfloat16 from float32 partials.
-    stream : optional
+    stream : Stream
         As for :func:`cupy_merge.merge_attn_states`.
 
     Returns
     -------
-    (v, s) : ``[num_tokens, num_heads, head_size]`` and ``[num_heads, num_tokens]`` in the
-    caller's array kind. A token whose states are all empty (-inf) gets 0 and -inf.
+    v : DeviceArray
+        ``[num_tokens, num_heads, head_size]``; a token whose states are all
+        empty (``-inf``) gets 0.
+    s : DeviceArray
+        ``[num_heads, num_tokens]``; ``-inf`` for such a token. Both in the
+        caller's array kind.
 
-    Example
-    -------
+    See Also
+    --------
+    merge_states_varlen : A different number of states for each token.
+
+    Examples
+    --------
     >>> import cupy, cupy_merge as cm
-    >>> v = cupy.random.randn(16, 4, 8, 128).astype(cupy.float32)   # 16 splits
-    >>> s = cupy.random.randn(16, 8, 4).astype(cupy.float32)
+    >>> v = cupy.ones((16, 4, 8, 128), dtype=cupy.float32)  # 16 splits of 4 tokens
+    >>> s = cupy.zeros((16, 8, 4), dtype=cupy.float32)
     >>> out, lse = cm.merge_states(v, s, out_dtype="float16")
-    >>> out.dtype, out.shape, lse.shape
-    (dtype('float16'), (4, 8, 128), (8, 4))
+    >>> out.dtype, out.shape, float(out[0, 0, 0]), round(float(lse[0, 0]), 4)
+    (dtype('float16'), (4, 8, 128), 1.0, 2.7726)
     """
     options = ManyStateOptions(_checks.lse_base_flag(lse_base), _checks.optional_value_dtype(out_dtype))
     return _dispatch.call(_MERGE_STATES, options, (out, out_lse, v, s, None), stream)
 
 
 def merge_states_varlen(
-    v: Any,
-    s: Any,
-    indptr: Any,
+    v: DeviceArray,
+    s: DeviceArray,
+    indptr: DeviceArray,
     *,
-    out: Any | None = None,
-    out_lse: Any | None = None,
-    lse_base: Any = "e",
+    out: DeviceArray | None = None,
+    out_lse: DeviceArray | None = None,
+    lse_base: str | int = "e",
     out_dtype: Any = None,
     check_indptr: bool = True,
-    stream: Any = None,
-) -> tuple[Any, Any]:
+    stream: Stream = None,
+) -> tuple[DeviceArray, DeviceArray]:
     """Merge a ragged batch: token ``t`` owns rows ``indptr[t]:indptr[t + 1]`` of ``v`` and ``s``.
 
     Parameters
     ----------
-    v : ``[total_states, num_heads, head_size]``
-    s : float32 ``[num_heads, total_states]`` (token-major buffers as ``lse.T``)
-    indptr : int32 or int64 ``[num_tokens + 1]`` on the GPU
-        Non-decreasing offsets starting at 0; a token with no rows gets 0 and -inf.
+    v : DeviceArray
+        ``[total_states, num_heads, head_size]``: every token's states, back to back.
+    s : DeviceArray
+        Their log-sum-exp, float32 ``[num_heads, total_states]`` (token-major
+        buffers as ``lse.T``).
+    indptr : DeviceArray
+        Int32 or int64 ``[num_tokens + 1]`` on the GPU: non-decreasing offsets
+        starting at 0; a token with no rows gets 0 and ``-inf``.
+    out : DeviceArray, optional
+        As for :func:`merge_states`.
+    out_lse : DeviceArray, optional
+        As for :func:`merge_states`.
+    lse_base : {"e", 2}
+        As for :func:`merge_states`.
+    out_dtype : str or dtype, optional
+        As for :func:`merge_states`.
     check_indptr : bool
         Copy ``indptr`` to the host and check it before launching (a
         synchronisation). Pass False inside CUDA graphs or hot loops: the kernel
         then writes NaN for any token whose offsets are out of range, never
         reading outside ``v``.
-    out, out_lse, lse_base, out_dtype, stream :
-        As for :func:`merge_states`.
+    stream : Stream
+        As for :func:`cupy_merge.merge_attn_states`.
 
-    Example
+    Returns
     -------
+    v : DeviceArray
+        ``[num_tokens, num_heads, head_size]``.
+    s : DeviceArray
+        ``[num_heads, num_tokens]``.
+
+    Examples
+    --------
     >>> import cupy, cupy_merge as cm
-    >>> v = cupy.random.randn(5, 8, 64).astype(cupy.float16)   # 5 states in all
-    >>> s = cupy.random.randn(8, 5).astype(cupy.float32)
-    >>> indptr = cupy.array([0, 2, 2, 5], dtype=cupy.int32)     # 3 tokens: 2, 0 and 3 states
+    >>> v = cupy.ones((5, 8, 64), dtype=cupy.float16)  # 5 states in all
+    >>> s = cupy.zeros((8, 5), dtype=cupy.float32)
+    >>> indptr = cupy.array([0, 2, 2, 5], dtype=cupy.int32)  # 3 tokens: 2, 0 and 3 states
     >>> out, lse = cm.merge_states_varlen(v, s, indptr)
-    >>> out.shape, bool(cupy.isneginf(lse[:, 1]).all())
-    ((3, 8, 64), True)
+    >>> out.shape, float(out[0, 0, 0]), float(out[1, 0, 0]), bool(cupy.isneginf(lse[:, 1]).all())
+    ((3, 8, 64), 1.0, 0.0, True)
     """
     options = ManyStateOptions(
         _checks.lse_base_flag(lse_base),

@@ -2,15 +2,6 @@
 
 Meant for tests and for users' own checks: slow, exact to float64, host only.
 Pass NumPy arrays (``cupy_array.get()``, ``tensor.float().cpu().numpy()``).
-
-Example
--------
->>> import numpy as np
->>> from cupy_merge import reference
->>> v = np.ones((2, 1, 4)); s = np.zeros((1, 2))
->>> out, lse = reference.merge_state(v, s, 3 * v, s)
->>> out[0, 0], lse[0]
-(array([2., 2., 2., 2.]), array([0.69314718, 0.69314718]))
 """
 
 from __future__ import annotations
@@ -18,33 +9,77 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ._checks import lse_base_flag
 
+__all__ = ["attention", "merge_state", "merge_states", "merge_states_varlen"]
 
-def merge_state(v_a, s_a, v_b, s_b, lse_base="e") -> tuple[np.ndarray, np.ndarray]:
+
+def merge_state(
+    v_a: ArrayLike, s_a: ArrayLike, v_b: ArrayLike, s_b: ArrayLike, lse_base: str | int = "e"
+) -> tuple[np.ndarray, np.ndarray]:
     """Merge two attention states in float64.
 
     Parameters
     ----------
-    v_a, v_b : array_like, ``[num_tokens, num_heads, head_size]``
-        Attention outputs of the two pieces.
-    s_a, s_b : array_like, ``[num_heads, num_tokens]``
-        Their log-sum-exp of the attention scores, in base ``lse_base`` (``"e"`` or 2).
+    v_a : array_like
+        Attention output of the first piece, ``[num_tokens, num_heads, head_size]``.
+    s_a : array_like
+        Its log-sum-exp, ``[num_heads, num_tokens]``, in base ``lse_base``.
+    v_b : array_like
+        Attention output of the second piece, like ``v_a``.
+    s_b : array_like
+        Its log-sum-exp, like ``s_a``.
+    lse_base : {"e", 2}
+        Base of the LSEs in and out.
 
     Returns
     -------
-    (v, s) : float64 arrays ``[num_tokens, num_heads, head_size]`` and ``[num_heads, num_tokens]``.
+    v : numpy.ndarray
+        Float64 ``[num_tokens, num_heads, head_size]``.
+    s : numpy.ndarray
+        Float64 ``[num_heads, num_tokens]``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupy_merge import reference
+    >>> v = np.ones((2, 1, 4)); s = np.zeros((1, 2))
+    >>> out, lse = reference.merge_state(v, s, 3 * v, s)
+    >>> out[0, 0], lse[0]
+    (array([2., 2., 2., 2.]), array([0.69314718, 0.69314718]))
     """
     return merge_states(np.stack([_f64(v_a), _f64(v_b)]), np.stack([_f64(s_a), _f64(s_b)]), lse_base)
 
 
-def merge_states(v, s, lse_base="e") -> tuple[np.ndarray, np.ndarray]:
+def merge_states(v: ArrayLike, s: ArrayLike, lse_base: str | int = "e") -> tuple[np.ndarray, np.ndarray]:
     """Merge any number of states in float64.
 
-    ``v`` ``[num_states, num_tokens, num_heads, head_size]``, ``s`` ``[num_states, num_heads, num_tokens]``;
-    returns ``[num_tokens, num_heads, head_size]`` and ``[num_heads, num_tokens]``. No states at
-    all, or only empty ones, give 0 and -inf.
+    Parameters
+    ----------
+    v : array_like
+        ``[num_states, num_tokens, num_heads, head_size]``.
+    s : array_like
+        ``[num_states, num_heads, num_tokens]``, in base ``lse_base``.
+    lse_base : {"e", 2}
+        Base of the LSEs in and out.
+
+    Returns
+    -------
+    v : numpy.ndarray
+        ``[num_tokens, num_heads, head_size]``; no states at all, or only empty
+        ones, give 0.
+    s : numpy.ndarray
+        ``[num_heads, num_tokens]``; ``-inf`` for such tokens.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupy_merge import reference
+    >>> out, lse = reference.merge_states(np.ones((4, 1, 1, 2)), np.zeros((4, 1, 1)), lse_base=2)
+    >>> out.ravel(), lse.ravel()
+    (array([1., 1.]), array([2.]))
     """
     v, s = _f64(v), _f64(s)
     log_base = math.log(2.0) if lse_base_flag(lse_base) else 1.0
@@ -54,11 +89,37 @@ def merge_states(v, s, lse_base="e") -> tuple[np.ndarray, np.ndarray]:
     return out, lse / log_base
 
 
-def merge_states_varlen(v, s, indptr, lse_base="e") -> tuple[np.ndarray, np.ndarray]:
+def merge_states_varlen(
+    v: ArrayLike, s: ArrayLike, indptr: ArrayLike, lse_base: str | int = "e"
+) -> tuple[np.ndarray, np.ndarray]:
     """Ragged merge in float64: token ``t`` merges rows ``indptr[t]:indptr[t + 1]``.
 
-    ``v`` ``[total_states, num_heads, head_size]``, ``s`` ``[num_heads, total_states]``,
-    ``indptr`` ``[num_tokens + 1]``.
+    Parameters
+    ----------
+    v : array_like
+        ``[total_states, num_heads, head_size]``.
+    s : array_like
+        ``[num_heads, total_states]``, in base ``lse_base``.
+    indptr : array_like
+        ``[num_tokens + 1]`` integer offsets.
+    lse_base : {"e", 2}
+        Base of the LSEs in and out.
+
+    Returns
+    -------
+    v : numpy.ndarray
+        ``[num_tokens, num_heads, head_size]``.
+    s : numpy.ndarray
+        ``[num_heads, num_tokens]``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupy_merge import reference
+    >>> out, lse = reference.merge_states_varlen(np.ones((3, 1, 2)), np.zeros((1, 3)), [0, 0, 3])
+    >>> out[:, 0], lse[0]
+    (array([[0., 0.],
+           [1., 1.]]), array([      -inf, 1.09861229]))
     """
     v, s, indptr = _f64(v), _f64(s), np.asarray(indptr)
     num_tokens = len(indptr) - 1
@@ -93,19 +154,40 @@ def _merge(v: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return contributions.sum(axis=0), lse
 
 
-def attention(q, k, v, scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+def attention(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, scale: float | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Softmax attention in float64, returning the output and its log-sum-exp.
+
+    What a piece of a split attention computes: merging the pieces' results gives
+    attention over the whole sequence (the tests check exactly that).
 
     Parameters
     ----------
-    q : ``[num_tokens, num_heads, head_size]``
-    k, v : ``[kv_len, num_heads, head_size]``
-    scale : defaults to ``1 / sqrt(head_size)``
+    q : array_like
+        Queries, ``[num_tokens, num_heads, head_size]``.
+    k : array_like
+        Keys, ``[kv_len, num_heads, head_size]``.
+    v : array_like
+        Values, ``[kv_len, num_heads, head_size]``.
+    scale : float, optional
+        Score scale; ``1 / sqrt(head_size)`` by default.
 
     Returns
     -------
-    (out, lse) : ``[num_tokens, num_heads, head_size]`` and ``[num_heads, num_tokens]``;
-    an empty KV (``kv_len == 0``) gives zeros and ``-inf``, the convention the merge uses.
+    out : numpy.ndarray
+        ``[num_tokens, num_heads, head_size]``; zeros for an empty KV (``kv_len == 0``).
+    lse : numpy.ndarray
+        ``[num_heads, num_tokens]`` (natural log); ``-inf`` for an empty KV.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupy_merge import reference
+    >>> q, k, v = np.ones((1, 1, 4)), np.ones((2, 1, 4)), np.arange(8.0).reshape(2, 1, 4)
+    >>> out, lse = reference.attention(q, k, v)
+    >>> out[0, 0], round(float(lse[0, 0]), 4)
+    (array([2., 3., 4., 5.]), 2.6931)
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
     if scale is None:

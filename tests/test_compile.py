@@ -12,8 +12,8 @@ from cupy_merge import _kernels
 
 @pytest.fixture(scope="module")
 def lowered_names():
-    """One compile of every module for sm_90, shared by the tests that need it."""
-    return _kernels.compile_offline("90")
+    """One real compile of every module for sm_90 (the disk cache bypassed), shared by the tests."""
+    return _kernels.compile_offline("90", cache=False)
 
 
 def test_every_kernel_instantiation_compiles_with_nvrtc(lowered_names):
@@ -26,7 +26,7 @@ def test_an_older_architecture_compiles_too():
     module = cat.Module(
         cat.TWO_STATES_SOURCE, "bfloat16", "bfloat16"
     )  # bfloat16 rounding differs before sm_80
-    assert len(_kernels.compile_offline("75", [module])) == len(cat.module_instances(module))
+    assert len(_kernels.compile_offline("75", [module], cache=False)) == len(cat.module_instances(module))
 
 
 def _signature(source: str, name: str) -> tuple[list[str], list[str]]:
@@ -60,7 +60,7 @@ def test_nvrtc_failure_raises_with_the_nvrtc_log(monkeypatch):
     broken = _kernels.kernel_source("merge_two_states.cu") + "\nthis is not C++;\n"
     monkeypatch.setattr(_kernels, "kernel_source", lambda name: broken)
     with pytest.raises(_kernels.KernelCompileError) as raised:
-        _kernels.compile_offline("90", [cat.Module(cat.TWO_STATES_SOURCE, "float16", "float16")])
+        _kernels.compile_offline("90", [cat.Module(cat.TWO_STATES_SOURCE, "float16", "float16")], cache=False)
     assert "error" in raised.value.log
     assert "merge_two_states.cu" in str(raised.value)
 
@@ -81,3 +81,30 @@ def test_a_plan_is_packed_into_one_argument_block(monkeypatch):
     pointers = prepared.keep_alive[0]
     assert prepared.params == pointers.__array_interface__["data"][0]
     assert list(pointers) == [prepared.values.__array_interface__["data"][0] + 8 * i for i in range(3)]
+
+
+def test_a_second_offline_compile_loads_the_first_from_the_disk_cache(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CUPY_MERGE_CACHE_DIR", str(tmp_path))
+    module = cat.Module(cat.TWO_STATES_SOURCE, "float32", "float32")
+    with caplog.at_level("INFO", logger="cupy_merge"):
+        first = _kernels.compile_offline("90", [module])
+    assert any("compiled merge_two_states.cu" in record.getMessage() for record in caplog.records)
+    assert len(list(tmp_path.glob("*.cubin"))) == 1 and len(list(tmp_path.glob("*.json"))) == 1
+
+    from cupy.cuda import nvrtc
+
+    monkeypatch.setattr(nvrtc, "compileProgram", lambda *args: pytest.fail("compiled again"))
+    assert _kernels.compile_offline("90", [module]) == first
+    with pytest.raises(BaseException, match="compiled again"):  # another architecture is another entry
+        _kernels.compile_offline("80", [module])
+
+
+def test_a_missing_nvrtc_is_reported_in_one_line_naming_the_extras(monkeypatch):
+    from cupy.cuda import nvrtc
+
+    def missing():
+        raise OSError("libnvrtc.so.12: cannot open shared object file")
+
+    monkeypatch.setattr(nvrtc, "getVersion", missing)
+    with pytest.raises(RuntimeError, match=r"^NVRTC \(libnvrtc\) could not be loaded: .*cupy-merge\[cu12\]"):
+        _kernels.compile_offline("90", cache=False)

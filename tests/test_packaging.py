@@ -37,7 +37,35 @@ def test_wheel_contains_the_cuda_source(tmp_path):
         check=True,
     )
     (wheel,) = tmp_path.glob("cupy_merge-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    archive = zipfile.ZipFile(wheel)
+    names = archive.namelist()
     assert "cupy_merge/cuda_src/merge_two_states.cu" in names
     assert "cupy_merge/cuda_src/numerics.cuh" in names
     assert "cupy_merge/py.typed" in names
+    assert "cupy_merge/tools/bench.py" in names and "cupy_merge/distributed/__init__.py" in names
+    (metadata,) = [name for name in names if name.endswith(".dist-info/METADATA")]
+    text = archive.read(metadata).decode()
+    import cupy_merge
+
+    assert f"Version: {cupy_merge.__version__}" in text  # one version, read from the package
+    assert "License-Expression: Apache-2.0" in text and "License-File: LICENSE" in text
+    # No CuPy wheel is forced on a machine that has the other CUDA major's.
+    requires = [line for line in text.splitlines() if line.startswith("Requires-Dist: cupy")]
+    assert requires and all("extra ==" in line for line in requires)
+
+
+@pytest.mark.skipif(not (ROOT / "pyproject.toml").exists(), reason="needs the source tree")
+def test_sdist_carries_the_tests_their_helpers_and_the_license(tmp_path):
+    import tarfile
+
+    subprocess.run(
+        [sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", str(tmp_path), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (sdist,) = tmp_path.glob("cupy_merge-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    for needed in ["LICENSE", "CHANGELOG.md", "cuda_src/numerics.cuh", "tests/conftest.py", "tests/gpu_arrays.py",
+                   "tests/bad_inputs.py", "tests/views.py", "tests/test_plan.py", "examples/torch_drop_in.py"]:  # fmt: skip
+        assert needed in names, needed

@@ -30,47 +30,71 @@ import math
 from typing import Any
 
 from .. import _checks
+from .._arrays import DeviceArray, Stream
+
+__all__ = ["STRATEGIES", "choose_strategy", "merge_across_ranks"]
 
 STRATEGIES = ("auto", "allreduce", "allgather")
 
 
 def merge_across_ranks(
-    v: Any,
-    s: Any,
+    v: DeviceArray,
+    s: DeviceArray,
     group: Any = None,
     *,
     op: str = "auto",
-    out: Any | None = None,
-    out_lse: Any | None = None,
-    lse_base: Any = "e",
-    stream: Any = None,
-) -> tuple[Any, Any]:
+    out: DeviceArray | None = None,
+    out_lse: DeviceArray | None = None,
+    lse_base: str | int = "e",
+    stream: Stream = None,
+) -> tuple[DeviceArray, DeviceArray]:
     """Merge this rank's partial attention state with every other rank's; all ranks get the result.
 
     Parameters
     ----------
-    v : ``[num_tokens, num_heads, head_size]`` float32, float16 or bfloat16
-        This rank's partial output (torch tensor or CuPy array), the same shape on every rank.
-    s : float32 ``[num_heads, num_tokens]``
-        Its log-sum-exp; a rank with an empty shard passes -inf (or +inf) and contributes nothing.
-    group :
-        torch: a process group (``None``: the default group). CuPy: a ``NcclCommunicator``.
-    op : ``"auto"``, ``"allreduce"`` or ``"allgather"``
-    out, out_lse : optional
-        Where to write the result (``[num_tokens, num_heads, head_size]`` of ``v``'s dtype and
-        float32 ``[num_heads, num_tokens]``); allocated if omitted.
-    lse_base : ``"e"`` or ``2``
-    stream : optional
+    v : DeviceArray
+        This rank's partial output, ``[num_tokens, num_heads, head_size]``, float32,
+        float16 or bfloat16: a torch tensor (CUDA, or CPU with gloo) or a CuPy array,
+        the same shape on every rank.
+    s : DeviceArray
+        Its log-sum-exp, float32 ``[num_heads, num_tokens]``; a rank with an empty
+        shard passes ``-inf`` (or ``+inf``) and contributes nothing.
+    group : object, optional
+        For torch tensors a process group (None: the default group); for CuPy
+        arrays a ``cupy.cuda.nccl.NcclCommunicator``.
+    op : {"auto", "allreduce", "allgather"}
+        The strategy (see the module's description); ``"auto"`` picks the one
+        that moves fewer bytes.
+    out : DeviceArray, optional
+        Where to write the merged values, ``[num_tokens, num_heads, head_size]``
+        of ``v``'s dtype; allocated if omitted.
+    out_lse : DeviceArray, optional
+        Where to write the merged LSE, float32 ``[num_heads, num_tokens]``;
+        allocated if omitted.
+    lse_base : {"e", 2}
+        Base of every LSE in and out.
+    stream : Stream
         CuPy only: the stream the collectives and kernels run on.
 
     Returns
     -------
-    (v, s) merged over all ranks, in ``v``'s array kind.
+    v : DeviceArray
+        The merge over all ranks' states, in ``v``'s array kind.
+    s : DeviceArray
+        Its log-sum-exp.
 
-    Example
-    -------
-    >>> # torchrun --nproc-per-node=2 ...; every rank:
-    >>> out, lse = merge_across_ranks(partial_out, partial_lse)   # doctest: +SKIP
+    Examples
+    --------
+    One process stands for a whole group here; under ``torchrun`` every rank calls it alike.
+
+    >>> import torch, torch.distributed as dist
+    >>> from cupy_merge.distributed import merge_across_ranks
+    >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
+    >>> v, s = torch.ones(4, 2, 8), torch.zeros(2, 4)
+    >>> out, lse = merge_across_ranks(v, s)
+    >>> bool(torch.equal(out, v)), bool(torch.equal(lse, s))
+    (True, True)
+    >>> dist.destroy_process_group()
     """
     if op not in STRATEGIES:
         raise ValueError(f"op: expected one of {', '.join(map(repr, STRATEGIES))}, got {op!r}")
@@ -97,7 +121,28 @@ def merge_across_ranks(
 
 
 def choose_strategy(world_size: int, head_size: int, itemsize: int) -> str:
-    """The strategy that moves fewer bytes per rank for one row (ties go to allgather: one collective)."""
+    """The strategy that moves fewer bytes per rank for one row: what ``op="auto"`` runs.
+
+    Parameters
+    ----------
+    world_size : int
+        Ranks in the group.
+    head_size : int
+        Elements in a row of values.
+    itemsize : int
+        Bytes per value element (2 for float16 and bfloat16, 4 for float32).
+
+    Returns
+    -------
+    str
+        ``"allgather"`` or ``"allreduce"``; ties go to ``"allgather"`` (one collective).
+
+    Examples
+    --------
+    >>> from cupy_merge.distributed import choose_strategy
+    >>> choose_strategy(2, 128, 2), choose_strategy(16, 128, 2)
+    ('allgather', 'allreduce')
+    """
     gather = (world_size - 1) * (head_size * itemsize + 4)
     reduce = 2 * (world_size - 1) / world_size * 4 * (head_size + 1) + 2 * (world_size - 1) / world_size * 4
     return "allgather" if gather <= reduce else "allreduce"
@@ -134,10 +179,10 @@ def _merge_by_allgather(comm, xp, v, s, lse_base, to_natural: float):
         from ..merge_many import merge_states
 
         return merge_states(gathered_v, gathered_s, lse_base=lse_base)
-    return merge_stacked_states(xp, gathered_v, gathered_s, to_natural)
+    return _merge_stacked_states(xp, gathered_v, gathered_s, to_natural)
 
 
-def merge_stacked_states(xp, v, s, to_natural: float = 1.0):
+def _merge_stacked_states(xp, v, s, to_natural: float = 1.0):
     """The N-way merge in plain torch operations, for devices the kernels do not run on (gloo's CPU).
 
     ``v`` ``[states, tokens, heads, head_size]``, ``s`` ``[states, heads, tokens]``; same rules as the kernels.

@@ -26,6 +26,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 import cupy
 import numpy
@@ -106,7 +107,7 @@ def _torch_eager(torch, out, v_a, s_a, v_b, s_b):
     out.copy_(w_a * v_a.float() + w_b * v_b.float())
 
 
-_compiled = {}
+_compiled: dict[str, Any] = {}
 
 
 def _torch_compiled_us(torch, out, v_a, s_a, v_b, s_b) -> float:
@@ -332,21 +333,27 @@ def main(argv=None) -> int:
         print("no CUDA device: nothing to benchmark")
         return 0
     torch = _torch()
-    cases = [(*c, "bfloat16") for c in (QUICK_CASES if args.quick else DEFAULT_CASES)]
+    cases: list[tuple[int, int, int, str]] = [
+        (*c, "bfloat16") for c in (QUICK_CASES if args.quick else DEFAULT_CASES)
+    ]
     if not args.quick:
         cases += EXTRA_DTYPE_CASES
     if torch is None:
         cases = [c for c in cases if c[3] != "bfloat16"] or [(*c[:3], "float16") for c in cases]
-    many = [(*c, False) for c in (QUICK_MANY_CASES if args.quick else MANY_CASES)]
+    many: list[tuple[int, int, int, int, bool]] = [
+        (*c, False) for c in (QUICK_MANY_CASES if args.quick else MANY_CASES)
+    ]
     many += [(*c, True) for c in RAGGED_CASES[: 1 if args.quick else None]]
     total = len(cases) + len(many)
     rows, many_rows = [], []
     for index, case in enumerate(cases, 1):
         _progress(index, total, case)
-        rows.append(run_case(*case, torch, compile_torch=not args.no_compile))
-    for index, case in enumerate(many, len(cases) + 1):
-        _progress(index, total, case)
-        many_rows.append(run_many_case(*case[:4], torch, ragged=case[4]))
+        tokens, heads, head_size, dtype = case
+        rows.append(run_case(tokens, heads, head_size, dtype, torch, compile_torch=not args.no_compile))
+    for index, many_case in enumerate(many, len(cases) + 1):
+        _progress(index, total, many_case)
+        states, tokens, heads, head_size, ragged = many_case
+        many_rows.append(run_many_case(states, tokens, heads, head_size, torch, ragged=ragged))
         _release_memory(torch)
     print(file=sys.stderr)
     print(format_table(rows))

@@ -1,11 +1,7 @@
-"""The self-check behind ``python -m cupy_merge``: environment, compilation, checked merges on real sizes.
-
-Without a GPU it says so, still compiles every kernel with NVRTC, and succeeds.
-"""
+"""The self-check behind ``python -m cupy_merge``: environment, compilation, checked merges on real sizes."""
 
 from __future__ import annotations
 
-import sys
 import time
 
 import cupy
@@ -24,16 +20,36 @@ SELF_CHECK_CASES = [
 MANY_STATES_CASES = [(16, 64, 32, 128, "bfloat16"), (4, 4096, 32, 128, "float16")]
 
 
-def _describe_environment() -> str:
-    nvrtc = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
-    lines = [f"cupy {cupy.__version__}, NVRTC {nvrtc}, numpy {numpy.__version__}"]
+def environment() -> list[str]:
+    """Versions, devices and configuration, one fact a line; loads nothing but CuPy and NVRTC."""
+    from .. import __version__, _plan
+
+    lines = [f"cupy-merge {__version__}, cupy {cupy.__version__}, numpy {numpy.__version__}"]
+    try:
+        lines.append("NVRTC {}.{}".format(*_kernels.nvrtc_version()))
+    except RuntimeError as error:
+        lines.append(str(error))
     if cupy.cuda.is_available():
+        lines.append(
+            f"CUDA driver {cupy.cuda.runtime.driverGetVersion()}, runtime {cupy.cuda.runtime.runtimeGetVersion()}"
+        )
         for device in range(cupy.cuda.runtime.getDeviceCount()):
             props = cupy.cuda.runtime.getDeviceProperties(device)
             lines.append(f"device {device}: {props['name'].decode()} (sm_{props['major']}{props['minor']})")
     else:
-        lines.append("no CUDA device found: compiling only")
-    return "\n".join(lines)
+        lines.append("no CUDA device found")
+    lines.append(
+        f"kernels compiled with {' '.join(_catalogue.COMPILE_OPTIONS)}; packed kernels {'on' if _plan.PACKED_KERNELS else 'off'}"
+    )
+    lines.append(f"NVRTC output without a GPU is kept in {_kernels.cache_folder()} (CUPY_MERGE_CACHE_DIR)")
+    return lines
+
+
+def compile_ahead(arch: str, modules: list[_catalogue.Module]) -> str:
+    """Compile ``modules`` for ``sm_<arch>`` with NVRTC alone (cached on disk); a line saying so."""
+    started = time.perf_counter()
+    count = len(_kernels.compile_offline(arch, modules))
+    return f"{count} kernel instantiations for sm_{arch} ready in {time.perf_counter() - started:.2f} s"
 
 
 def _random_state(tokens, heads, head_size, rng):
@@ -105,25 +121,23 @@ def _cupy_dtype(name: str):
         return None
 
 
-def main() -> int:
-    print(_describe_environment())
+def run() -> int:
+    """The self-check: environment, compilation, checked merges on the GPU; 0 when all pass.
+
+    Without a GPU it compiles every same-dtype kernel for sm_90 with NVRTC (cached on
+    disk, so a second run is fast), says there is nothing to run, and succeeds.
+    """
+    print("\n".join(environment()))
+    modules = _catalogue.same_dtype_modules()
     if not cupy.cuda.is_available():
-        started = time.perf_counter()
-        count = len(_kernels.compile_offline("90", _catalogue.same_dtype_modules()))
-        print(
-            f"compiled {count} kernel instantiations for sm_90 with NVRTC in {time.perf_counter() - started:.2f} s"
-        )
+        print(compile_ahead("90", modules))
         print("no GPU here: nothing to run; the kernels compile")
         return 0
     started = time.perf_counter()
-    count = _kernels.compile_modules(cupy.cuda.runtime.getDevice(), _catalogue.same_dtype_modules())
+    count = _kernels.compile_modules(cupy.cuda.runtime.getDevice(), modules)
     print(f"compiled {count} kernel instantiations in {time.perf_counter() - started:.2f} s")
     rng = numpy.random.default_rng()
     results = [_check_case(*case, rng) for case in SELF_CHECK_CASES]
     results += [_check_many(*case, rng) for case in MANY_STATES_CASES]
     print("\n".join(results))
     return 1 if any(line.endswith("FAILED") for line in results) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

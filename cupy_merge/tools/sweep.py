@@ -136,15 +136,15 @@ def sweep_many(rng) -> list:
         out = cupy.empty((tokens, heads, head_size), dtype=v.dtype)
         out_lse = cupy.empty((heads, tokens), dtype=cupy.float32)
         nbytes = v.nbytes + s.nbytes + out.nbytes + out_lse.nbytes
-        if indptr is None:
-            run = lambda v=v, s=s, out=out, out_lse=out_lse: merge_states(v, s, out=out, out_lse=out_lse)
-        else:
-            run = lambda v=v, s=s, i=indptr, out=out, out_lse=out_lse: merge_states_varlen(
-                v, s, i, out=out, out_lse=out_lse, check_indptr=False
-            )
-        rows.append(_row(label, nbytes, run, MANY_VARIANTS))
+        rows.append(_row(label, nbytes, _many_run(v, s, indptr, out, out_lse), MANY_VARIANTS))
         print(".", end="", file=sys.stderr, flush=True)
     return rows
+
+
+def _many_run(v, s, indptr, out, out_lse):
+    if indptr is None:
+        return lambda: merge_states(v, s, out=out, out_lse=out_lse)
+    return lambda: merge_states_varlen(v, s, indptr, out=out, out_lse=out_lse, check_indptr=False)
 
 
 def _table(title: str, rows: list, variants: dict) -> str:

@@ -11,7 +11,9 @@ import cupy
 _FLUSH_BYTES = 256 * 1024 * 1024
 
 
-def median_ms(run: Callable[[], None], *, warmup: int = 5, repeat: int = 30, flush_l2: bool = True) -> float:
+def median_ms(
+    run: Callable[[], object], *, warmup: int = 5, repeat: int = 30, flush_l2: bool = True
+) -> float:
     """Median milliseconds of ``run()`` on CuPy's current stream."""
     stream = cupy.cuda.get_current_stream()
     flush = cupy.empty(_FLUSH_BYTES, dtype=cupy.uint8) if flush_l2 else None
