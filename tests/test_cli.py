@@ -68,3 +68,14 @@ def test_without_cupy_the_import_error_says_which_extra_to_install():
     assert result.stderr.strip().splitlines()[-1] == (
         "ImportError: cupy_merge needs CuPy: pip install 'cupy-merge[cu12]' (CUDA 12) or 'cupy-merge[cu13]' (CUDA 13)"
     )
+
+
+def test_the_benchmark_names_its_own_command_in_its_usage():
+    result = subprocess.run(
+        [sys.executable, "-m", "cupy_merge.bench", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0 and result.stdout.startswith("usage: python -m cupy_merge.bench")

@@ -314,7 +314,7 @@ def _plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m cupy_merge.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few cases only")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     parser.add_argument(
