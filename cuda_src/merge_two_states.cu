@@ -53,6 +53,16 @@ __device__ __forceinline__ StateWeights weigh_two_states(float lse_a, float lse_
   return w;
 }
 
+// A token's weights: past merge_tokens, state b as it is (LSE bits included);
+// otherwise the merge of the two LSEs, read and written in the caller's base.
+__device__ __forceinline__ StateWeights token_weights(bool copy_b, float s_a, float s_b, float to_natural,
+                                                      float from_natural) {
+  if (copy_b) return {0.0f, 1.0f, s_b};
+  StateWeights w = weigh_two_states(empty_if_inf(s_a) * to_natural, empty_if_inf(s_b) * to_natural);
+  w.lse *= from_natural;
+  return w;
+}
+
 // A state of weight zero contributes nothing, even if its values are NaN or
 // uninitialised (an empty split): its products are replaced, not added.
 template <typename TOut, typename TIn, int VEC>
@@ -123,14 +133,7 @@ __global__ void merge_two_states(
     StateWeights w[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      if (token[r] >= merge_tokens) {
-        w[r].weight_a = 0.0f;  // copy state b as it is, LSE bits included
-        w[r].weight_b = 1.0f;
-        w[r].lse = s_b[r];
-      } else {
-        w[r] = weigh_two_states(empty_if_inf(s_a[r]) * to_natural, empty_if_inf(s_b[r]) * to_natural);
-        w[r].lse *= from_natural;
-      }
+      w[r] = token_weights(token[r] >= merge_tokens, s_a[r], s_b[r], to_natural, from_natural);
     }
     if (out_lse != nullptr) {
       // out_lse may be lse_a or lse_b itself: every thread of the row must have
@@ -208,15 +211,7 @@ __global__ void merge_two_states_packed(
   }
   if constexpr (LSE_IN_PLACE) __syncwarp();
   if (!active) return;
-  StateWeights w;
-  if (token >= merge_tokens) {
-    w.weight_a = 0.0f;  // copy state b as it is, LSE bits included
-    w.weight_b = 1.0f;
-    w.lse = s_b;
-  } else {
-    w = weigh_two_states(empty_if_inf(s_a) * to_natural, empty_if_inf(s_b) * to_natural);
-    w.lse *= from_natural;
-  }
+  const StateWeights w = token_weights(token >= merge_tokens, s_a, s_b, to_natural, from_natural);
   store_pack(reinterpret_cast<OutPack*>(out) + token * out_stride_token + within, merge_pack<TOut>(w, a, b));
   if (out_lse != nullptr && within == head * packs_per_row) {
     out_lse[head * out_lse_stride_head + token * out_lse_stride_token] = w.lse;

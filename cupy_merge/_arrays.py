@@ -131,6 +131,10 @@ class Adapter:
         """A new C-contiguous array; ``stream`` (a raw pointer) is the one that will write it first."""
         return _empty_cupy(shape, dtype, device, stream)
 
+    def pointer(self, array: Any) -> int:
+        """The device address of an array :meth:`empty` made."""
+        return array.data.ptr
+
     def result(self, array: Any) -> Any:
         return array
 
@@ -203,9 +207,12 @@ class TorchAdapter(Adapter):
             where = self._devices.setdefault(device, torch.device("cuda", device))
         if stream is None:
             return torch.empty(shape, dtype=getattr(torch, dtype), device=where)
-        # torch's caching allocator reuses a block only after the stream it was allocated on.
+        # torch's caching allocator hands a block back only to allocations on its stream.
         with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=where)):
             return torch.empty(shape, dtype=getattr(torch, dtype), device=where)
+
+    def pointer(self, array: Any) -> int:
+        return array.data_ptr()
 
 
 CUPY = CupyAdapter()

@@ -217,7 +217,8 @@ def run(operation: Operation, prepared: Call, arrays: tuple, stream: Any) -> Any
     """Launch a prepared call on ``stream`` (default: the current stream of the arrays' kind)."""
     adapter, device = prepared.adapter, prepared.device
     stream_ptr = adapter.current_stream(device) if stream is None else _arrays.stream_pointer(stream)
-    check_values(operation, prepared, arrays)
+    if prepared.indptr_rows is not None:
+        check_values(operation, prepared, arrays)
     out, out_lse = arrays[OUT], arrays[OUT_LSE]
     if prepared.fresh:
         out, out_lse, patches = allocate(prepared, out, out_lse, None if stream is None else stream_ptr)
@@ -245,13 +246,9 @@ def allocate(prepared: Call, out: Any, out_lse: Any, stream: int | None) -> tupl
     patches = []
     for fresh in prepared.fresh:
         array = adapter.empty(fresh.shape, fresh.dtype, device, stream)
-        patches.append((fresh.slot, _data_pointer(array)))
+        patches.append((fresh.slot, adapter.pointer(array)))
         if fresh.position == OUT:
             out = array
         else:
             out_lse = array
     return out, out_lse, patches
-
-
-def _data_pointer(array: Any) -> int:
-    return array.data_ptr() if hasattr(array, "data_ptr") else array.data.ptr

@@ -207,17 +207,9 @@ def launch(prepared: PreparedLaunch, stream: int) -> None:
     device's. Checking costs one driver call; making it current happens once per
     thread and device switch.
     """
-    arguments = (
-        prepared.function,
-        *prepared.grid,
-        *prepared.block,
-        prepared.shared_bytes,
-        stream,
-        prepared.params,
-        0,
-    )
     if _current_context() == prepared.context:
-        _driver_launch(*arguments)
+        _driver_launch(prepared.function, *prepared.grid, *prepared.block, prepared.shared_bytes, stream,
+                       prepared.params, 0)  # fmt: skip
         return
     # cudaSetDevice makes the device's primary context current even when the runtime
     # already reports that device (a fresh thread reports device 0 and has no context),
@@ -226,7 +218,8 @@ def launch(prepared: PreparedLaunch, stream: int) -> None:
     previous = runtime.getDevice()
     runtime.setDevice(prepared.device)
     try:
-        _driver_launch(*arguments)
+        _driver_launch(prepared.function, *prepared.grid, *prepared.block, prepared.shared_bytes, stream,
+                       prepared.params, 0)  # fmt: skip
     finally:
         if previous != prepared.device:
             runtime.setDevice(previous)

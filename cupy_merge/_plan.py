@@ -239,6 +239,7 @@ def plan_two_states(
     }  # fmt: skip
     views = [out, out_lse, v_a, s_a, v_b, s_b, mask]
     index = index_type(views, num_tokens * num_heads)
+    traffic = num_tokens * num_heads * head_size * (2 * v_a.itemsize + out.itemsize)
     packs_per_row = head_size // vec
     if _packed_kernel_fits(vec, widths, index, head_size, [out, v_a, v_b]) and (
         not lse_in_place or 32 % packs_per_row == 0
@@ -246,7 +247,6 @@ def plan_two_states(
         geometry = _packed_geometry(state, vec)
         threads = PACKED_TWO_THREADS
         grid = (-(-geometry["total_packs"] // threads), 1, 1)
-        traffic = num_tokens * num_heads * head_size * (2 * v_a.itemsize + out.itemsize)
         strides = {
             "out_stride_token": _in_packs(out.strides[0], num_tokens, vec),
             "a_stride_token": _in_packs(v_a.strides[0], num_tokens, vec),
@@ -259,7 +259,6 @@ def plan_two_states(
         )
 
     threads_x, rows_y = choose_block(packs_per_row, num_tokens)
-    traffic = num_tokens * num_heads * head_size * (2 * v_a.itemsize + out.itemsize)
     rows = 1 if traffic < STRIDED_SMALL_TRAFFIC or rows_y * 2 > num_tokens else 2
     grid = (min(-(-num_tokens // (rows_y * rows)) * num_heads, MAX_GRID_X), 1, 1)
     args = {

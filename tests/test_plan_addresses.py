@@ -73,6 +73,15 @@ def _divide(n: int, multiplier: int, shift: int) -> int:
     return _plan.fast_divide(n, _plan.FastDivisor(0, multiplier, shift))
 
 
+def _packed_position(a: dict, p: int) -> tuple[int, int, int]:
+    """(token, pack within the token, head) of output pack ``p``, as the packed kernels find them."""
+    token = _divide(p, a["token_multiplier"], a["token_shift"])
+    within = p - token * a["packs_per_token"]
+    head = _divide(within, a["head_multiplier"], a["head_shift"])
+    assert token == p // a["packs_per_token"] and head == within // a["packs_per_row"]
+    return token, within, head
+
+
 def _threads(plan):
     (gx, _, _), (bx, by, bz) = plan.grid, plan.block
     for block in range(gx):
@@ -88,10 +97,7 @@ def replay_two(plan, memory: Memory) -> None:
             p = block * plan.block[0] + x
             if p >= a["total_packs"]:
                 continue
-            token = _divide(p, a["token_multiplier"], a["token_shift"])
-            within = p - token * a["packs_per_token"]
-            head = _divide(within, a["head_multiplier"], a["head_shift"])
-            assert token == p // a["packs_per_token"] and head == within // a["packs_per_row"]
+            token, within, head = _packed_position(a, p)
             memory.read("s_a", head * a["lse_a_stride_head"] + token * a["lse_a_stride_token"])
             memory.read("s_b", head * a["lse_b_stride_head"] + token * a["lse_b_stride_token"])
             memory.read("v_a", (token * a["a_stride_token"] + within) * vec, vec)
@@ -148,9 +154,7 @@ def replay_many(plan, memory: Memory, indptr: list[int] | None) -> None:
             p = block * plan.block[0] + x
             if p >= a["total_packs"]:
                 continue
-            token = _divide(p, a["token_multiplier"], a["token_shift"])
-            within = p - token * a["packs_per_token"]
-            head = _divide(within, a["head_multiplier"], a["head_shift"])
+            token, within, head = _packed_position(a, p)
             for i in states(token, y):
                 memory.read(
                     "s",
