@@ -132,7 +132,7 @@ __device__ __forceinline__ void natural_chunk_lse(const float (&raw)[MERGE_CHUNK
 // fits (fewer registers: more threads resident, more loads in flight), else long long.
 template <typename TIn, typename TOut, int VEC, bool SPLIT, typename Index>
 __global__ void merge_many_states(
-    TOut* out, float* out_lse, const TIn* v, const float* lse,
+    TOut* out, float* out_lse, const float* out_scale, const TIn* v, const float* lse,
     const void* indptr, long long indptr_bytes, long long indptr_stride,
     long long num_states, long long num_tokens, long long num_heads, long long head_size,
     long long out_stride_token, long long out_stride_head,
@@ -150,6 +150,7 @@ __global__ void merge_many_states(
   const Index pack_stride_state = v_stride_state / VEC;  // the host checks divisibility
   const float to_natural = lse_to_natural(lse_base_2);
   const float from_natural = lse_from_natural(lse_base_2);
+  const float inverse_scale = output_inverse_scale<TOut>(out_scale);
   const Index work_items = (num_tokens + blockDim.y - 1) / blockDim.y * num_heads;
   // A thread covers packs x, x + threads_x, ...; with head_size 0 one pass still computes the LSE.
   const Index passes = num_packs == 0 ? 1 : (num_packs + blockDim.x - 1) / blockDim.x;
@@ -210,10 +211,10 @@ __global__ void merge_many_states(
       if (has_pack) {
         // Empty rows (no state, or only empty ones) give 0; a NaN LSE or bad offsets give NaN.
         const bool empty = part.lse_max == negative_infinity();
-        const float scale = broken ? quiet_nan() : empty ? 0.0f : 1.0f / part.sum;
+        const float norm = broken ? quiet_nan() : empty ? 0.0f : 1.0f / part.sum;
         OutPack merged;
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) merged.v[k] = from_float<TOut>(part.acc[k] * scale);
+        for (int k = 0; k < VEC; ++k) merged.v[k] = to_output<TOut>(part.acc[k] * norm, inverse_scale);
         store_pack(reinterpret_cast<OutPack*>(out + token * out_stride_token + head * out_stride_head) + p, merged);
       }
       if (out_lse != nullptr && pass == 0 && threadIdx.x == 0) {
@@ -252,18 +253,22 @@ __device__ __forceinline__ void for_each_chunk(int count, int split, int splits,
 //
 // SPLIT: the block's y threads take every splits-th chunk of a row's states and
 // combine their partial sums in shared memory (many states, few rows).
-// Strides of v and out are in packs, of lse in elements. Dense and ragged as for
-// merge_many_states (ragged: the token strides are 0).
-template <typename TIn, typename TOut, int VEC, bool SPLIT>
+// GROUPED: an FP8 output with a scale per group of packs, as in
+// merge_two_states_packed (the group maxima follow the partials in shared memory).
+// Strides of v and out are in packs, of lse and group scales in elements. Dense
+// and ragged as for merge_many_states (ragged: the token strides are 0).
+template <typename TIn, typename TOut, int VEC, bool SPLIT, bool GROUPED>
 __global__ void merge_many_states_packed(
-    TOut* out, float* out_lse, const TIn* v, const float* lse,
+    TOut* out, float* out_lse, const float* out_scale, const TIn* v, const float* lse,
     const void* indptr, int indptr_bytes, int indptr_stride,
     int num_states, int total_packs, int packs_per_token, unsigned token_multiplier, unsigned token_shift,
     int packs_per_row, unsigned head_multiplier, unsigned head_shift,
     int out_stride_token, int v_stride_state, int v_stride_token,
     int out_lse_stride_head, int out_lse_stride_token,
     int lse_stride_state, int lse_stride_head, int lse_stride_token,
-    int lse_base_2) {
+    int lse_base_2,
+    float* out_group_scale, int group_stride_token, int group_stride_group,
+    int packs_per_group, unsigned group_multiplier, unsigned group_shift, int scale_ue8m0) {
   using InPack = Pack<TIn, VEC>;
   using OutPack = Pack<TOut, VEC>;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
@@ -326,18 +331,37 @@ __global__ void merge_many_states_packed(
     // Uniform across the block: every thread reaches the barrier.
     if (split > 0) shared_partials[(split - 1) * blockDim.x + threadIdx.x] = part;
     __syncthreads();
-    if (split > 0) return;
-    for (int other = 1; other < splits; ++other) part.combine(shared_partials[(other - 1) * blockDim.x + threadIdx.x]);
+    if (split == 0) {
+      for (int other = 1; other < splits; ++other) part.combine(shared_partials[(other - 1) * blockDim.x + threadIdx.x]);
+    } else if constexpr (!GROUPED) {
+      return;
+    }
   }
-  if (!valid) return;
+  const bool writes = valid && split == 0;
   const bool broken = part.any_nan || bad_indptr;
   // Empty rows (no state, or only empty ones) give 0; a NaN LSE or bad offsets give NaN.
   const bool empty = part.lse_max == negative_infinity();
-  const float scale = broken ? quiet_nan() : empty ? 0.0f : 1.0f / part.sum;
-  OutPack merged;
+  const float norm = broken ? quiet_nan() : empty ? 0.0f : 1.0f / part.sum;
+  float merged[VEC];
 #pragma unroll
-  for (int k = 0; k < VEC; ++k) merged.v[k] = from_float<TOut>(part.acc[k] * scale);
-  store_pack(reinterpret_cast<OutPack*>(out) + token * out_stride_token + within, merged);
+  for (int k = 0; k < VEC; ++k) merged[k] = part.acc[k] * norm;
+  float inverse_scale;
+  if constexpr (GROUPED) {
+    // Every thread reaches the group's barriers; only split 0's valid rows count.
+    unsigned* group_max = reinterpret_cast<unsigned*>(shared_partials + (splits - 1) * blockDim.x);
+    const int slot = fast_divide(threadIdx.x, group_multiplier, group_shift);
+    const bool leader = split == 0 && threadIdx.x == slot * packs_per_group;
+    const float scale = fp8_group_scale(group_abs_max(merged, group_max, slot, leader, writes), scale_ue8m0);
+    if (!writes) return;
+    inverse_scale = 1.0f / scale;
+    if (leader) {
+      out_group_scale[token * group_stride_token + fast_divide(within, group_multiplier, group_shift) * group_stride_group] = scale;
+    }
+  } else {
+    if (!writes) return;
+    inverse_scale = output_inverse_scale<TOut>(out_scale);
+  }
+  store_pack(reinterpret_cast<OutPack*>(out) + token * out_stride_token + within, output_pack<TOut>(merged, inverse_scale));
   if (out_lse != nullptr && within == head * packs_per_row) {
     const float merged_lse = empty ? negative_infinity() : (part.lse_max + logf(part.sum)) * lse_from_natural(lse_base_2);
     out_lse[head * out_lse_stride_head + token * out_lse_stride_token] = broken ? quiet_nan() : merged_lse;

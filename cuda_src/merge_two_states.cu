@@ -65,25 +65,29 @@ __device__ __forceinline__ StateWeights token_weights(bool copy_b, float s_a, fl
 
 // A state of weight zero contributes nothing, even if its values are NaN or
 // uninitialised (an empty split): its products are replaced, not added.
-template <typename TOut, typename TIn, int VEC>
-__device__ __forceinline__ Pack<TOut, VEC> merge_pack(const StateWeights& w,
-                                                      const Pack<TIn, VEC>& a,
-                                                      const Pack<TIn, VEC>& b) {
-  Pack<TOut, VEC> out;
+template <typename TIn, int VEC>
+__device__ __forceinline__ void weigh_pack(const StateWeights& w, const Pack<TIn, VEC>& a, const Pack<TIn, VEC>& b,
+                                           float (&merged)[VEC]) {
 #pragma unroll
   for (int i = 0; i < VEC; ++i) {
     const float part_a = w.weight_a == 0.0f ? 0.0f : w.weight_a * to_float(a.v[i]);
-    const float merged = w.weight_b == 0.0f ? part_a : fmaf(w.weight_b, to_float(b.v[i]), part_a);
-    out.v[i] = from_float<TOut>(merged);
+    merged[i] = w.weight_b == 0.0f ? part_a : fmaf(w.weight_b, to_float(b.v[i]), part_a);
   }
-  return out;
+}
+
+template <typename TOut, typename TIn, int VEC>
+__device__ __forceinline__ Pack<TOut, VEC> merge_pack(const StateWeights& w, const Pack<TIn, VEC>& a,
+                                                      const Pack<TIn, VEC>& b, float inverse_scale) {
+  float merged[VEC];
+  weigh_pack(w, a, b, merged);
+  return output_pack<TOut>(merged, inverse_scale);
 }
 
 // Index: the integer type of element offsets, int when the host found that every
 // offset fits (fewer registers and instructions), else long long.
 template <typename TIn, typename TOut, int VEC, int ROWS, typename Index>
 __global__ void merge_two_states(
-    TOut* out, float* out_lse,
+    TOut* out, float* out_lse, const float* out_scale,
     const TIn* v_a, const float* lse_a,
     const TIn* v_b, const float* lse_b,
     const unsigned char* mask,
@@ -101,6 +105,7 @@ __global__ void merge_two_states(
   const Index first_pack = threadIdx.x;
   const float to_natural = lse_to_natural(lse_base_2);
   const float from_natural = lse_from_natural(lse_base_2);
+  const float inverse_scale = output_inverse_scale<TOut>(out_scale);
   const Index rows_per_block = static_cast<Index>(blockDim.y) * ROWS;
   const Index work_items = (num_tokens + rows_per_block - 1) / rows_per_block * num_heads;
 
@@ -153,9 +158,9 @@ __global__ void merge_two_states(
       const InPack* row_a = reinterpret_cast<const InPack*>(v_a + token[r] * a_stride_token + head * a_stride_head);
       const InPack* row_b = reinterpret_cast<const InPack*>(v_b + token[r] * b_stride_token + head * b_stride_head);
       OutPack* row_out = reinterpret_cast<OutPack*>(out + token[r] * out_stride_token + head * out_stride_head);
-      store_pack(row_out + first_pack, merge_pack<TOut>(w[r], a[r], b[r]));
+      store_pack(row_out + first_pack, merge_pack<TOut>(w[r], a[r], b[r], inverse_scale));
       for (Index p = first_pack + blockDim.x; p < num_packs; p += blockDim.x) {
-        store_pack(row_out + p, merge_pack<TOut>(w[r], load_pack(row_a + p), load_pack(row_b + p)));
+        store_pack(row_out + p, merge_pack<TOut>(w[r], load_pack(row_a + p), load_pack(row_b + p), inverse_scale));
       }
     }
   }
@@ -177,10 +182,15 @@ namespace cupy_merge {
 // LSE_IN_PLACE: out_lse is lse_a or lse_b itself. The host then guarantees that
 // a row's packs lie in one warp (packs_per_row divides 32), and __syncwarp()
 // orders every lane's read of the old LSE before the write of the new one.
-// Token strides are in packs; LSE strides in elements.
-template <typename TIn, typename TOut, int VEC, bool STREAMING, bool LSE_IN_PLACE>
+//
+// GROUPED: an FP8 output with a scale per group of packs_per_group packs, written
+// to out_group_scale [num_tokens, groups per token] (see group_abs_max; the dynamic
+// shared memory holds a word per group of the block). Otherwise an FP8 output
+// takes the per-tensor out_scale.
+// Token strides are in packs; LSE and group-scale strides in elements.
+template <typename TIn, typename TOut, int VEC, bool STREAMING, bool LSE_IN_PLACE, bool GROUPED>
 __global__ void merge_two_states_packed(
-    TOut* out, float* out_lse,
+    TOut* out, float* out_lse, const float* out_scale,
     const TIn* v_a, const float* lse_a,
     const TIn* v_b, const float* lse_b,
     const unsigned char* mask,
@@ -190,7 +200,9 @@ __global__ void merge_two_states_packed(
     int out_lse_stride_head, int out_lse_stride_token,
     int lse_a_stride_head, int lse_a_stride_token,
     int lse_b_stride_head, int lse_b_stride_token,
-    int mask_stride, int lse_base_2) {
+    int mask_stride, int lse_base_2,
+    float* out_group_scale, int group_stride_token, int group_stride_group,
+    int packs_per_group, unsigned group_multiplier, unsigned group_shift, int scale_ue8m0) {
   using InPack = Pack<TIn, VEC>;
   using OutPack = Pack<TOut, VEC>;
   const float to_natural = lse_to_natural(lse_base_2);
@@ -210,9 +222,27 @@ __global__ void merge_two_states_packed(
     b = load_pack<STREAMING>(reinterpret_cast<const InPack*>(v_b) + token * b_stride_token + within);
   }
   if constexpr (LSE_IN_PLACE) __syncwarp();
-  if (!active) return;
-  const StateWeights w = token_weights(token >= merge_tokens, s_a, s_b, to_natural, from_natural);
-  store_pack(reinterpret_cast<OutPack*>(out) + token * out_stride_token + within, merge_pack<TOut>(w, a, b));
+  OutPack* to = reinterpret_cast<OutPack*>(out) + token * out_stride_token + within;
+  StateWeights w;
+  if constexpr (GROUPED) {
+    // Every thread reaches the group's barriers; inactive ones do not count.
+    w = token_weights(token >= merge_tokens, s_a, s_b, to_natural, from_natural);
+    float merged[VEC];
+    weigh_pack(w, a, b, merged);
+    extern __shared__ unsigned group_max[];
+    const int slot = fast_divide(threadIdx.x, group_multiplier, group_shift);
+    const bool leader = threadIdx.x == slot * packs_per_group;
+    const float scale = fp8_group_scale(group_abs_max(merged, group_max, slot, leader, active), scale_ue8m0);
+    if (!active) return;
+    store_pack(to, output_pack<TOut>(merged, 1.0f / scale));
+    if (leader) {
+      out_group_scale[token * group_stride_token + fast_divide(within, group_multiplier, group_shift) * group_stride_group] = scale;
+    }
+  } else {
+    if (!active) return;
+    w = token_weights(token >= merge_tokens, s_a, s_b, to_natural, from_natural);
+    store_pack(to, merge_pack<TOut>(w, a, b, output_inverse_scale<TOut>(out_scale)));
+  }
   if (out_lse != nullptr && within == head * packs_per_row) {
     out_lse[head * out_lse_stride_head + token * out_lse_stride_token] = w.lse;
   }

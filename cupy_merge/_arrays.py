@@ -71,17 +71,36 @@ def _is_torch_dtype(dtype: Any) -> bool:
 
 
 def cupy_dtype(name: str) -> Any:
-    """The NumPy dtype CuPy uses for ``name``; bfloat16 comes from the ``ml_dtypes`` package."""
-    if name != "bfloat16":
+    """The NumPy dtype CuPy uses for ``name``: bfloat16 comes from the ``ml_dtypes`` package;
+    float8_e4m3fn too where CuPy takes it, else its bytes as uint8."""
+    if name not in _ML_DTYPES:
         return numpy.dtype(name)
     try:
         import ml_dtypes
     except ImportError:
         raise TypeError(
-            "out_dtype: a bfloat16 CuPy array needs the ml_dtypes package (pip install ml_dtypes); "
+            f"out_dtype: a {name} CuPy array needs the ml_dtypes package (pip install ml_dtypes); "
             "or pass out= yourself, or use torch tensors"
         ) from None
-    return numpy.dtype(ml_dtypes.bfloat16)
+    dtype = numpy.dtype(getattr(ml_dtypes, name))
+    if name == "float8_e4m3fn" and not _cupy_takes(dtype):
+        return numpy.dtype("uint8")
+    return dtype
+
+
+_ML_DTYPES = ("bfloat16", "float8_e4m3fn")
+_cupy_dtypes: dict[Any, bool] = {}
+
+
+def _cupy_takes(dtype: Any) -> bool:
+    """Whether CuPy makes arrays of ``dtype`` (asked once)."""
+    if dtype not in _cupy_dtypes:
+        try:
+            cupy.empty(0, dtype=dtype)
+            _cupy_dtypes[dtype] = True
+        except (TypeError, ValueError, NotImplementedError):
+            _cupy_dtypes[dtype] = False
+    return _cupy_dtypes[dtype]
 
 
 def _describe_cupy(array: cupy.ndarray) -> ArrayView:
@@ -164,7 +183,12 @@ class JaxAdapter(ForeignAdapter):
     def result(self, array: Any) -> Any:
         import jax.dlpack
 
-        return jax.dlpack.from_dlpack(array)
+        result = jax.dlpack.from_dlpack(array)
+        if array.dtype == numpy.uint8:  # an FP8 output CuPy could only allocate as bytes
+            import jax.numpy as jnp
+
+            result = jax.lax.bitcast_convert_type(result, jnp.float8_e4m3fn)
+        return result
 
 
 class TorchAdapter(Adapter):

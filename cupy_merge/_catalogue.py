@@ -19,7 +19,16 @@ VALUE_CTYPES = {
     "float16": "cupy_merge::half_t",
     "bfloat16": "cupy_merge::bfloat16_t",
 }
-ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: FP8 (OCP float8_e4m3fn): an output dtype only, written with a per-tensor or per-group scale.
+FP8 = "float8_e4m3fn"
+#: Output dtype name -> C++ type: the value dtypes and FP8.
+OUTPUT_CTYPES = {**VALUE_CTYPES, FP8: "cupy_merge::fp8_e4m3_t"}
+ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2, FP8: 1}
+#: Elements of any array lie within this many of its start for the 32-bit kernels
+#: (2**30, not 2**31, leaves room for the sums a grid-stride loop forms past the last item).
+INDEX_32_LIMIT = 2**30
+#: The largest FP8 group: a group's packs are threads of one block.
+MAX_QUANT_GROUP = 1024
 
 #: States the N-way kernels load per memory round trip (their MERGE_CHUNK): measured
 #: best among 2, 4 and 8 for the strided kernel (session 3) and among 2 and 4 for the
@@ -60,8 +69,8 @@ class KernelFamily(NamedTuple):
 def _cpp(value: object) -> str:
     if isinstance(value, bool):
         return str(value).lower()
-    if value in VALUE_CTYPES:
-        return VALUE_CTYPES[value]
+    if value in OUTPUT_CTYPES:
+        return OUTPUT_CTYPES[value]
     return str(value)
 
 
@@ -70,7 +79,7 @@ TWO_STRIDED = KernelFamily(
     "merge_two_states",
     ("TIn", "TOut", "VEC", "ROWS", "Index"),
     (
-        "out", "out_lse", "v_a", "lse_a", "v_b", "lse_b", "mask",
+        "out", "out_lse", "out_scale", "v_a", "lse_a", "v_b", "lse_b", "mask",
         "num_tokens", "num_heads", "head_size", "merge_tokens",
         "out_stride_token", "out_stride_head", "a_stride_token", "a_stride_head",
         "b_stride_token", "b_stride_head",
@@ -83,15 +92,17 @@ TWO_STRIDED = KernelFamily(
 TWO_PACKED = KernelFamily(
     TWO_STATES_SOURCE,
     "merge_two_states_packed",
-    ("TIn", "TOut", "VEC", "STREAMING", "LSE_IN_PLACE"),
+    ("TIn", "TOut", "VEC", "STREAMING", "LSE_IN_PLACE", "GROUPED"),
     (
-        "out", "out_lse", "v_a", "lse_a", "v_b", "lse_b", "mask",
+        "out", "out_lse", "out_scale", "v_a", "lse_a", "v_b", "lse_b", "mask",
         "total_packs", "packs_per_token", "token_multiplier", "token_shift",
         "packs_per_row", "head_multiplier", "head_shift", "merge_tokens",
         "out_stride_token", "a_stride_token", "b_stride_token",
         "out_lse_stride_head", "out_lse_stride_token", "lse_a_stride_head", "lse_a_stride_token",
         "lse_b_stride_head", "lse_b_stride_token",
         "mask_stride", "lse_base_2",
+        "out_group_scale", "group_stride_token", "group_stride_group",
+        "packs_per_group", "group_multiplier", "group_shift", "scale_ue8m0",
     ),
 )  # fmt: skip
 
@@ -100,7 +111,7 @@ MANY_STRIDED = KernelFamily(
     "merge_many_states",
     ("TIn", "TOut", "VEC", "SPLIT", "Index"),
     (
-        "out", "out_lse", "v", "lse", "indptr", "indptr_bytes", "indptr_stride",
+        "out", "out_lse", "out_scale", "v", "lse", "indptr", "indptr_bytes", "indptr_stride",
         "num_states", "num_tokens", "num_heads", "head_size",
         "out_stride_token", "out_stride_head", "v_stride_state", "v_stride_token", "v_stride_head",
         "out_lse_stride_head", "out_lse_stride_token",
@@ -111,14 +122,16 @@ MANY_STRIDED = KernelFamily(
 MANY_PACKED = KernelFamily(
     MANY_STATES_SOURCE,
     "merge_many_states_packed",
-    ("TIn", "TOut", "VEC", "SPLIT"),
+    ("TIn", "TOut", "VEC", "SPLIT", "GROUPED"),
     (
-        "out", "out_lse", "v", "lse", "indptr", "indptr_bytes", "indptr_stride",
+        "out", "out_lse", "out_scale", "v", "lse", "indptr", "indptr_bytes", "indptr_stride",
         "num_states", "total_packs", "packs_per_token", "token_multiplier", "token_shift",
         "packs_per_row", "head_multiplier", "head_shift",
         "out_stride_token", "v_stride_state", "v_stride_token",
         "out_lse_stride_head", "out_lse_stride_token",
         "lse_stride_state", "lse_stride_head", "lse_stride_token", "lse_base_2",
+        "out_group_scale", "group_stride_token", "group_stride_group",
+        "packs_per_group", "group_multiplier", "group_shift", "scale_ue8m0",
     ),
 )  # fmt: skip
 
@@ -133,11 +146,14 @@ INDEX_TYPES = ("int", "long long")
 
 
 def vector_widths(in_dtype: str, out_dtype: str) -> tuple[int, ...]:
+    """Pack widths by the narrower dtype; an FP8 output's by its input (16-byte loads, 4-8 byte stores)."""
+    if out_dtype == FP8:
+        return VECTOR_WIDTHS[ITEMSIZES[in_dtype]]
     return VECTOR_WIDTHS[min(ITEMSIZES[in_dtype], ITEMSIZES[out_dtype])]
 
 
 def full_pack(in_dtype: str, out_dtype: str) -> int:
-    """Elements in a 16-byte pack of the narrower of the two dtypes: the packed kernels' width."""
+    """Elements in a 16-byte pack of the narrower of the two dtypes (an FP8 output's input): the packed kernels' width."""
     return vector_widths(in_dtype, out_dtype)[0]
 
 
@@ -148,9 +164,14 @@ class Module(NamedTuple):
 
 
 def module_instances(module: Module) -> list[str]:
-    """Every instantiation compiled together in ``module``."""
+    """Every instantiation compiled together in ``module``.
+
+    FP8 outputs add the group-scaled packed kernels at every width (a group's
+    size decides the widest that divides it).
+    """
     a, b = module.in_dtype, module.out_dtype
     widths, full = vector_widths(a, b), full_pack(a, b)
+    grouped = [(full, False)] + ([(vec, True) for vec in widths] if b == FP8 else [])
     if module.source == TWO_STATES_SOURCE:
         return [
             TWO_STRIDED.instance(TIn=a, TOut=b, VEC=vec, ROWS=rows, Index=index)
@@ -158,7 +179,10 @@ def module_instances(module: Module) -> list[str]:
             for rows in STRIDED_ROWS
             for index in INDEX_TYPES
         ] + [
-            TWO_PACKED.instance(TIn=a, TOut=b, VEC=full, STREAMING=streaming, LSE_IN_PLACE=in_place)
+            TWO_PACKED.instance(
+                TIn=a, TOut=b, VEC=vec, STREAMING=streaming, LSE_IN_PLACE=in_place, GROUPED=group
+            )
+            for vec, group in grouped
             for streaming in (False, True)
             for in_place in (False, True)
         ]
@@ -167,7 +191,11 @@ def module_instances(module: Module) -> list[str]:
         for vec in widths
         for split in (False, True)
         for index in INDEX_TYPES
-    ] + [MANY_PACKED.instance(TIn=a, TOut=b, VEC=full, SPLIT=split) for split in (False, True)]
+    ] + [
+        MANY_PACKED.instance(TIn=a, TOut=b, VEC=vec, SPLIT=split, GROUPED=group)
+        for vec, group in grouped
+        for split in (False, True)
+    ]
 
 
 def all_modules() -> list[Module]:
@@ -175,7 +203,7 @@ def all_modules() -> list[Module]:
         Module(source, a, b)
         for source in (TWO_STATES_SOURCE, MANY_STATES_SOURCE)
         for a in VALUE_CTYPES
-        for b in VALUE_CTYPES
+        for b in OUTPUT_CTYPES
     ]
 
 

@@ -14,7 +14,7 @@ import operator
 from typing import Any, NamedTuple
 
 from ._arrays import ArrayView
-from ._catalogue import VALUE_CTYPES
+from ._catalogue import FP8, INDEX_32_LIMIT, MAX_QUANT_GROUP, OUTPUT_CTYPES, VALUE_CTYPES
 
 INDEX_DTYPES = ("int32", "int64")
 
@@ -38,23 +38,49 @@ def lse_base_flag(lse_base: Any) -> int:
     raise ValueError(f'lse_base: expected "e" (natural log, as vLLM) or 2 (as FlashInfer), got {lse_base!r}')
 
 
-def value_dtype_name(dtype: Any, name: str = "out_dtype") -> str:
-    """The name of a value dtype given as a string, NumPy/CuPy dtype or torch dtype."""
+def value_dtype_name(dtype: Any, name: str = "out_dtype", allowed: dict = VALUE_CTYPES) -> str:
+    """The name of a dtype given as a string, NumPy/CuPy/ml_dtypes dtype or torch dtype."""
     text = str(dtype).removeprefix("torch.")
-    if text not in VALUE_CTYPES:
+    if text not in allowed:
         try:
             import numpy
 
             text = numpy.dtype(dtype).name
         except TypeError:
             pass
-    if text not in VALUE_CTYPES:
-        raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {dtype!r}")
+    if text not in allowed:
+        raise TypeError(f"{name}: expected {_dtype_list(allowed)}, got {dtype!r}")
     return text
 
 
+def _dtype_list(allowed: dict) -> str:
+    names = list(allowed)
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
 def optional_value_dtype(dtype: Any) -> str | None:
-    return None if dtype is None else value_dtype_name(dtype)
+    """An output dtype: a value dtype or FP8 (``"float8_e4m3fn"``), or None."""
+    return None if dtype is None else value_dtype_name(dtype, allowed=OUTPUT_CTYPES)
+
+
+def quant_group(group_size: Any, block_scale: Any, scale_ue8m0: Any) -> tuple[int | None, int]:
+    """``(group_size, ue8m0 flag)`` of an FP8 output with group scales, ``(None, 0)`` without."""
+    ue8m0 = flag(scale_ue8m0, "scale_ue8m0")
+    if block_scale is None:
+        if group_size is not None:
+            raise ValueError("quant_group_size: given without output_block_scale, where the group scales go")
+        if ue8m0:
+            raise ValueError("scale_ue8m0: given without output_block_scale (it rounds the group scales)")
+        return None, 0
+    if group_size is None:
+        raise ValueError(
+            "quant_group_size: expected the number of elements a group scale covers (e.g. 128), got None"
+        )
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"quant_group_size: expected an int, got {type(group_size).__name__}")
+    if not 1 <= group_size <= MAX_QUANT_GROUP:
+        raise ValueError(f"quant_group_size: expected 1 to {MAX_QUANT_GROUP}, got {group_size}")
+    return group_size, int(ue8m0)
 
 
 def token_count(value: Any, name: str = "prefill_tokens_with_context") -> int | None:
@@ -92,7 +118,16 @@ def expect_ndim(view: ArrayView, ndim: int, name: str, layout: str) -> None:
 
 def expect_value_dtype(view: ArrayView, name: str) -> None:
     if view.dtype not in VALUE_CTYPES:
-        raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16, got {view.dtype}")
+        hint = "; FP8 is an output dtype only" if view.dtype == FP8 else ""
+        raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16, got {view.dtype}{hint}")
+
+
+def expect_output_dtype(view: ArrayView, name: str) -> None:
+    if view.dtype not in OUTPUT_CTYPES:
+        raise TypeError(
+            f"{name}: expected dtype float32, float16 or bfloat16, or float8_e4m3fn with a scale "
+            f"(CuPy: uint8 holding its bytes), got {view.dtype}"
+        )
 
 
 def expect_same_dtype(view: ArrayView, like: ArrayView, name: str, like_name: str) -> None:
@@ -277,6 +312,8 @@ class TwoStateNames(NamedTuple):
     v_b: str
     s_b: str
     mask: str = "mask"
+    out_scale: str = "output_scale"
+    group_scale: str = "output_block_scale"
 
 
 class ManyStateNames(NamedTuple):
@@ -285,6 +322,8 @@ class ManyStateNames(NamedTuple):
     v: str = "v"
     s: str = "s"
     indptr: str = "indptr"
+    out_scale: str = "output_scale"
+    group_scale: str = "output_block_scale"
 
 
 def check_two_inputs(
@@ -318,7 +357,7 @@ def check_outputs(
     """``out`` [tokens, heads, head_size] of any value dtype; ``out_lse`` float32 [heads, tokens]."""
     shape = (state.num_tokens, state.num_heads, state.head_size)
     expect_ndim(out, 3, out_name, "[num_tokens, num_heads, head_size]")
-    expect_value_dtype(out, out_name)
+    expect_output_dtype(out, out_name)
     expect_shape(out, shape, out_name, f"[num_tokens, num_heads, head_size] of {like}")
     expect_unit_last_stride(out, out_name)
     expect_device(out, state.device, out_name, like)
@@ -402,6 +441,98 @@ def check_many_states(
     inputs = [(v, names.v), (s, names.s)] + ([] if indptr is None else [(indptr, names.indptr)])
     outputs = [(out, names.out)] + ([] if out_lse is None else [(out_lse, names.out_lse)])
     expect_separate(outputs, inputs)
+
+
+# -- FP8 outputs ----------------------------------------------------------------------------------
+
+
+def fp8_bytes(out: ArrayView | None, scaled: bool) -> ArrayView | None:
+    """A uint8 output given with a scale holds FP8 (float8_e4m3fn) bytes: CuPy has no FP8 dtype."""
+    if out is not None and scaled and out.dtype == "uint8":
+        return out._replace(dtype=FP8)
+    return out
+
+
+def check_quantisation(
+    out: ArrayView,
+    out_scale: ArrayView | None,
+    group_scale: ArrayView | None,
+    group_size: int | None,
+    values: list[tuple[ArrayView, str]],
+    others: list[tuple[ArrayView, str]],
+    state: StateShape,
+    names: TwoStateNames | ManyStateNames,
+) -> None:
+    """An FP8 output has exactly one kind of scale; a scale needs an FP8 output.
+
+    ``out_scale``: float32, one element, read on the device at each launch.
+    ``group_scale``: float32 ``[num_tokens, num_heads * head_size / group_size]``,
+    written; the group kernels need the packed layout (each value array's heads
+    back to back, offsets within 32 bits). ``others``: every other array of the
+    call, which the written scales must not overlap.
+    """
+    if out.dtype != FP8:
+        for view, name in ((out_scale, names.out_scale), (group_scale, names.group_scale)):
+            if view is not None:
+                raise TypeError(
+                    f"{name}: a scale is for an FP8 (float8_e4m3fn) output; {names.out} is {out.dtype}"
+                )
+        return
+    if out_scale is None and group_scale is None:
+        raise TypeError(
+            f"{names.out}: an FP8 output needs its scale: {names.out_scale} (float32, one element, per tensor) "
+            f"or {names.group_scale} with quant_group_size (per group)"
+        )
+    if out_scale is not None and group_scale is not None:
+        raise ValueError(
+            f"{names.out_scale}: give {names.out_scale} (per tensor) or {names.group_scale} (per group), not both"
+        )
+    if out_scale is not None:
+        if out_scale.dtype != "float32" or math.prod(out_scale.shape) != 1:
+            raise TypeError(
+                f"{names.out_scale}: expected a float32 array of one element, got {out_scale.dtype} of shape {out_scale.shape}"
+            )
+        expect_device(out_scale, state.device, names.out_scale, names.out)
+        expect_aligned(out_scale, names.out_scale)
+        return
+    assert group_scale is not None and group_size is not None
+    name = names.group_scale
+    if state.head_size % group_size:
+        raise ValueError(
+            f"quant_group_size: expected a divisor of head_size {state.head_size}, got {group_size}"
+        )
+    groups = state.num_heads * state.head_size // group_size
+    expect_ndim(group_scale, 2, name, "[num_tokens, num_heads * head_size / quant_group_size]")
+    if group_scale.dtype != "float32":
+        raise TypeError(f"{name}: expected float32 scales, got dtype {group_scale.dtype}")
+    expect_shape(
+        group_scale,
+        (state.num_tokens, groups),
+        name,
+        "[num_tokens, num_heads * head_size / quant_group_size]",
+    )
+    expect_device(group_scale, state.device, name, names.out)
+    expect_aligned(group_scale, name)
+    expect_no_self_overlap(group_scale, name)
+    for other, other_name in others:
+        if overlaps(group_scale, other):
+            raise ValueError(
+                f"{name}: overlaps {other_name} in memory; the group scales need their own memory"
+            )
+    for view, view_name in [(out, names.out), *values]:
+        if view.shape[-2] > 1 and view.strides[-2] != state.head_size:
+            raise ValueError(
+                f"{name}: group scales need every value array's heads back to back (head stride = head_size); "
+                f"{view_name} has strides {view.strides}; copy it into a contiguous array"
+            )
+        if _span(view) >= INDEX_32_LIMIT:
+            raise ValueError(
+                f"{name}: group scales need value arrays of fewer than 2**30 elements; {view_name} spans more"
+            )
+
+
+def _span(view: ArrayView) -> int:
+    return sum((n - 1) * abs(stride) for n, stride in zip(view.shape, view.strides) if n > 0)
 
 
 # -- the cross-rank merge (torch or CuPy arrays, CPU tensors included: plain facts, not views) -----

@@ -29,14 +29,18 @@ _calls: dict[tuple, Call] = {}
 PREPARE = object()
 
 OUT, OUT_LSE = 0, 1  # every operation's arrays start with its two outputs
+# ... and end with the FP8 output's scales: per tensor (read) and per group (written).
+TWO_MASK, TWO_OUT_SCALE, TWO_GROUP_SCALE = 6, 7, 8
+MANY_INDPTR, MANY_OUT_SCALE, MANY_GROUP_SCALE = 4, 5, 6
 
 
 class Operation(NamedTuple):
     """A public merge as the dispatcher sees it.
 
     ``names`` spell the arguments as the public function does, in the order of its
-    arrays: ``(out, out_lse, v_a, s_a, v_b, s_b, mask)`` for two-way merges,
-    ``(out, out_lse, v, s, indptr)`` for N-way ones.
+    arrays: ``(out, out_lse, v_a, s_a, v_b, s_b, mask, output_scale, output_block_scale)``
+    for two-way merges, ``(out, out_lse, v, s, indptr, output_scale, output_block_scale)``
+    for N-way ones.
     """
 
     name: str
@@ -45,18 +49,21 @@ class Operation(NamedTuple):
     allocates: bool  # outputs left as None are allocated (else out_lse None is simply not written)
     returns: bool  # the public function returns (out, out_lse)
     optional: frozenset[int]  # positions that may be None
+    written: frozenset[int]  # positions the merge writes
 
     @classmethod
     def two_states(
         cls, name: str, names: _checks.TwoStateNames, *, allocates: bool, returns: bool
     ) -> Operation:
-        optional = {OUT_LSE, 6} | ({OUT} if allocates else set())
-        return cls(name, names, False, allocates, returns, frozenset(optional))
+        optional = {OUT_LSE, TWO_MASK, TWO_OUT_SCALE, TWO_GROUP_SCALE} | ({OUT} if allocates else set())
+        written = frozenset({OUT, OUT_LSE, TWO_GROUP_SCALE})
+        return cls(name, names, False, allocates, returns, frozenset(optional), written)
 
     @classmethod
     def many_states(cls, name: str, *, ragged: bool) -> Operation:
-        optional = {OUT, OUT_LSE} | (set() if ragged else {4})
-        return cls(name, _checks.ManyStateNames(), True, True, True, frozenset(optional))
+        optional = {OUT, OUT_LSE, MANY_OUT_SCALE, MANY_GROUP_SCALE} | (set() if ragged else {MANY_INDPTR})
+        written = frozenset({OUT, OUT_LSE, MANY_GROUP_SCALE})
+        return cls(name, _checks.ManyStateNames(), True, True, True, frozenset(optional), written)
 
 
 class FreshOutput(NamedTuple):
@@ -112,7 +119,7 @@ def prepare(operation: Operation, options: tuple, arrays: tuple) -> Call:
         if obj is None and position in operation.optional:
             continue
         kind = _arrays.adapter_for(obj, names[position])
-        if position in (OUT, OUT_LSE) and not kind.writable:
+        if position in operation.written and not kind.writable:
             raise TypeError(
                 f"{names[position]}: JAX arrays are immutable and cannot be written in place; leave it out "
                 f"(merge_state and merge_states return new arrays) or pass a CuPy array or torch tensor"
@@ -143,14 +150,19 @@ def plan_call(operation: Operation, options: tuple, views: list[ArrayView | None
 
 def _plan_two(operation: Operation, options: _plan.TwoStateOptions, views: list[ArrayView | None]) -> Planned:
     names = cast(_checks.TwoStateNames, operation.names)
-    out, out_lse, v_a, s_a, v_b, s_b, mask = views
+    out, out_lse, v_a, s_a, v_b, s_b, mask, out_scale, group_scale = views
     state = _checks.check_two_inputs(_given(v_a), _given(s_a), _given(v_b), _given(s_b), names)
+    out = _checks.fp8_bytes(out, out_scale is not None or group_scale is not None)
     out, out_lse, fresh = _outputs(operation, options.out_dtype, state, out, out_lse)
     _checks.check_two_states(
         out, out_lse, _given(v_a), _given(s_a), _given(v_b), _given(s_b), mask, state, names
     )
+    values = [(_given(v_a), names.v_a), (_given(v_b), names.v_b)]
+    others = _named(views, names, exclude=TWO_GROUP_SCALE)
+    _checks.check_quantisation(out, out_scale, group_scale, options.group_size, values, others, state, names)
+    scales = _plan.OutputScales(out_scale, group_scale)
     plan = _plan.plan_two_states(
-        state, out, out_lse, _given(v_a), _given(s_a), _given(v_b), _given(s_b), mask, options
+        state, out, out_lse, _given(v_a), _given(s_a), _given(v_b), _given(s_b), mask, options, scales
     )
     return Planned(plan, state.device, _fresh(fresh, plan), None)
 
@@ -159,13 +171,30 @@ def _plan_many(
     operation: Operation, options: _plan.ManyStateOptions, views: list[ArrayView | None]
 ) -> Planned:
     names = cast(_checks.ManyStateNames, operation.names)
-    out, out_lse, v, s, indptr = views
+    out, out_lse, v, s, indptr, out_scale, group_scale = views
     state, num_states = _checks.check_many_inputs(_given(v), _given(s), indptr, names)
+    out = _checks.fp8_bytes(out, out_scale is not None or group_scale is not None)
     out, out_lse, fresh = _outputs(operation, options.out_dtype, state, out, out_lse)
     _checks.check_many_states(out, out_lse, _given(v), _given(s), indptr, state, names)
-    plan = _plan.plan_many_states(state, num_states, out, out_lse, _given(v), _given(s), indptr, options)
+    others = _named(views, names, exclude=MANY_GROUP_SCALE)
+    _checks.check_quantisation(
+        out, out_scale, group_scale, options.group_size, [(_given(v), names.v)], others, state, names
+    )
+    scales = _plan.OutputScales(out_scale, group_scale)
+    plan = _plan.plan_many_states(
+        state, num_states, out, out_lse, _given(v), _given(s), indptr, options, scales
+    )
     indptr_rows = num_states if indptr is not None and options.check_indptr else None
     return Planned(plan, state.device, _fresh(fresh, plan), indptr_rows)
+
+
+def _named(views: list[ArrayView | None], names: tuple, exclude: int) -> list[tuple[ArrayView, str]]:
+    """Every given view but one, with its argument name (a shared view is listed once)."""
+    named: list[tuple[ArrayView, str]] = []
+    for position, (view, name) in enumerate(zip(views, names)):
+        if view is not None and position != exclude and all(view is not seen for seen, _ in named):
+            named.append((view, name))
+    return named
 
 
 def _given(view: ArrayView | None) -> ArrayView:
@@ -235,7 +264,7 @@ def check_values(operation: Operation, prepared: Call, arrays: tuple) -> None:
     """The checks of argument *values* that run on every call: a ragged merge's indptr, when asked."""
     if prepared.indptr_rows is not None:
         names = cast(_checks.ManyStateNames, operation.names)
-        _checks.indptr_values(_arrays.to_numpy(arrays[4]), prepared.indptr_rows, names.indptr)
+        _checks.indptr_values(_arrays.to_numpy(arrays[MANY_INDPTR]), prepared.indptr_rows, names.indptr)
 
 
 def allocate(prepared: Call, out: Any, out_lse: Any, stream: int | None) -> tuple[Any, Any, list]:

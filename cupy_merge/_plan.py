@@ -16,9 +16,8 @@ from . import _catalogue as cat
 from ._arrays import ArrayView
 from ._checks import StateShape
 
-#: Offsets are 32-bit when every array's elements lie within this many of its
-#: start (2**30, not 2**31, leaves room for the sums a grid-stride loop forms past the last item).
-INDEX_32_LIMIT = 2**30
+#: Offsets are 32-bit when every array's elements lie within this many of its start.
+INDEX_32_LIMIT = cat.INDEX_32_LIMIT
 #: Work items beyond this many blocks are looped over inside the strided kernels.
 MAX_GRID_X = 2**31 - 1
 #: Set False to plan every merge on the strided kernels (the tests run both families).
@@ -42,6 +41,8 @@ PACKED_STREAMING_BELOW = 64_000_000
 BUSY_THREADS = 128 * 1024
 MAX_SPLITS = 16
 MAX_BLOCK_THREADS = 256
+#: CUDA's limit on a block's threads.
+CUDA_BLOCK_LIMIT = 1024
 
 
 class LaunchPlan(NamedTuple):
@@ -58,17 +59,32 @@ class LaunchPlan(NamedTuple):
 
 
 class TwoStateOptions(NamedTuple):
-    """Normalised options of a two-way merge (``_checks``): LSE base flag, first token copied from b, output dtype."""
+    """Normalised options of a two-way merge (``_checks``): LSE base flag, first token copied
+    from b, output dtype, FP8 group size (None: no group scales) and UE8M0 flag."""
 
     lse_base_2: int = 0
     merge_tokens: int | None = None
     out_dtype: str | None = None
+    group_size: int | None = None
+    scale_ue8m0: int = 0
 
 
 class ManyStateOptions(NamedTuple):
     lse_base_2: int = 0
     out_dtype: str | None = None
     check_indptr: bool = False
+    group_size: int | None = None
+    scale_ue8m0: int = 0
+
+
+class OutputScales(NamedTuple):
+    """An FP8 output's scales: the per-tensor one (read) or the per-group ones (written); or neither."""
+
+    per_tensor: ArrayView | None = None
+    per_group: ArrayView | None = None
+
+
+NO_SCALES = OutputScales()
 
 
 #: Stands in for an optional array that was not given (a null pointer, strides 0).
@@ -177,6 +193,29 @@ def _packed_geometry(state: StateShape, vec: int) -> dict[str, int]:
     }
 
 
+def _group_geometry(scales: OutputScales, group_size: int | None, vec: int) -> dict[str, int]:
+    """The packed kernels' group-scale arguments: a group is ``group_size // vec`` consecutive packs."""
+    per_tensor = scales.per_tensor.ptr if scales.per_tensor is not None else 0
+    if scales.per_group is None or group_size is None:
+        return {"out_scale": per_tensor, "out_group_scale": 0, "group_stride_token": 0, "group_stride_group": 0,
+                "packs_per_group": 1, "group_multiplier": 0, "group_shift": 0}  # fmt: skip
+    group = fast_divisor(group_size // vec)
+    return {
+        "out_scale": 0,
+        "out_group_scale": scales.per_group.ptr,
+        "group_stride_token": _used(scales.per_group, 0),
+        "group_stride_group": _used(scales.per_group, 1),
+        "packs_per_group": group.divisor,
+        "group_multiplier": group.multiplier,
+        "group_shift": group.shift,
+    }
+
+
+def _group_block(threads: int, packs_per_group: int, limit: int = CUDA_BLOCK_LIMIT) -> int:
+    """A block of whole groups near ``threads`` threads (at most ``limit``): a group's packs share a block."""
+    return packs_per_group * max(1, min(threads, limit) // packs_per_group)
+
+
 def _in_packs(stride: int, extent: int, vec: int) -> int:
     return stride // vec if extent > 1 else 0
 
@@ -219,14 +258,21 @@ def plan_two_states(
     s_b: ArrayView,
     mask: ArrayView | None,
     options: TwoStateOptions,
+    scales: OutputScales = NO_SCALES,
 ) -> LaunchPlan | None:
-    """The launch of a checked two-way merge; ``None`` when there is nothing to write."""
+    """The launch of a checked two-way merge; ``None`` when there is nothing to write.
+
+    Group-scaled FP8 outputs always take the packed kernel (``_checks`` made sure
+    the layout allows it), at the widest pack that divides a group.
+    """
     num_tokens, num_heads, head_size = state.num_tokens, state.num_heads, state.head_size
     if num_tokens == 0 or num_heads == 0:
         return None
+    group_size = options.group_size if scales.per_group is not None else None
+    grouped = group_size is not None
     module = cat.Module(cat.TWO_STATES_SOURCE, state.dtype, out.dtype)
     widths = cat.vector_widths(state.dtype, out.dtype)
-    vec = choose_vector_width([out, v_a, v_b], head_size, widths)
+    vec = choose_vector_width([out, v_a, v_b], group_size or head_size, widths)
     lse_out = out_lse if out_lse is not None else NO_ARRAY
     mask_view = mask if mask is not None else NO_ARRAY
     merge_tokens = num_tokens if options.merge_tokens is None else min(options.merge_tokens, num_tokens)
@@ -241,28 +287,31 @@ def plan_two_states(
     index = index_type(views, num_tokens * num_heads)
     traffic = num_tokens * num_heads * head_size * (2 * v_a.itemsize + out.itemsize)
     packs_per_row = head_size // vec
-    if _packed_kernel_fits(vec, widths, index, head_size, [out, v_a, v_b]) and (
+    packed = _packed_kernel_fits(vec, widths, index, head_size, [out, v_a, v_b]) and (
         not lse_in_place or 32 % packs_per_row == 0
-    ):
+    )
+    if packed or grouped:
         geometry = _packed_geometry(state, vec)
-        threads = PACKED_TWO_THREADS
+        group = _group_geometry(scales, options.group_size, vec)
+        threads = _group_block(PACKED_TWO_THREADS, group["packs_per_group"])
         grid = (-(-geometry["total_packs"] // threads), 1, 1)
         strides = {
             "out_stride_token": _in_packs(out.strides[0], num_tokens, vec),
             "a_stride_token": _in_packs(v_a.strides[0], num_tokens, vec),
             "b_stride_token": _in_packs(v_b.strides[0], num_tokens, vec),
         }
-        template = {"TIn": state.dtype, "TOut": out.dtype, "VEC": vec,
+        template = {"TIn": state.dtype, "TOut": out.dtype, "VEC": vec, "GROUPED": grouped,
                     "STREAMING": traffic < PACKED_STREAMING_BELOW, "LSE_IN_PLACE": lse_in_place}  # fmt: skip
-        return _plan(
-            cat.TWO_PACKED, module, template, grid, (threads, 1, 1), 0, {**common, **geometry, **strides}
-        )
+        shared = 4 * (threads // group["packs_per_group"]) if grouped else 0
+        args = {**common, **geometry, **strides, **group, "scale_ue8m0": options.scale_ue8m0}
+        return _plan(cat.TWO_PACKED, module, template, grid, (threads, 1, 1), shared, args)
 
     threads_x, rows_y = choose_block(packs_per_row, num_tokens)
     rows = 1 if traffic < STRIDED_SMALL_TRAFFIC or rows_y * 2 > num_tokens else 2
     grid = (min(-(-num_tokens // (rows_y * rows)) * num_heads, MAX_GRID_X), 1, 1)
     args = {
         **common,
+        "out_scale": scales.per_tensor.ptr if scales.per_tensor is not None else 0,
         "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size,
         "out_stride_token": out.strides[0], "out_stride_head": out.strides[1],
         "a_stride_token": v_a.strides[0], "a_stride_head": v_a.strides[1],
@@ -285,8 +334,9 @@ def plan_many_states(
     s: ArrayView,
     indptr: ArrayView | None,
     options: ManyStateOptions,
+    scales: OutputScales = NO_SCALES,
 ) -> LaunchPlan | None:
-    """The launch of a checked N-way (``indptr`` None) or ragged merge."""
+    """The launch of a checked N-way (``indptr`` None) or ragged merge (group-scaled FP8: as two-way)."""
     num_tokens, num_heads, head_size = state.num_tokens, state.num_heads, state.head_size
     if num_tokens == 0 or num_heads == 0:
         return None
@@ -294,12 +344,13 @@ def plan_many_states(
         # Two states are the two-way kernel's job: it keeps twice the loads in flight per row.
         v_a, v_b = _state_view(v, 0), _state_view(v, 1)
         s_a, s_b = _state_view(s, 0), _state_view(s, 1)
-        return plan_two_states(
-            state, out, out_lse, v_a, s_a, v_b, s_b, None, TwoStateOptions(options.lse_base_2)
-        )
+        two = TwoStateOptions(options.lse_base_2, None, None, options.group_size, options.scale_ue8m0)
+        return plan_two_states(state, out, out_lse, v_a, s_a, v_b, s_b, None, two, scales)
+    group_size = options.group_size if scales.per_group is not None else None
+    grouped = group_size is not None
     module = cat.Module(cat.MANY_STATES_SOURCE, state.dtype, out.dtype)
     widths = cat.vector_widths(state.dtype, out.dtype)
-    vec = choose_vector_width([out, v], head_size, widths)
+    vec = choose_vector_width([out, v], group_size or head_size, widths)
     if indptr is None:
         v_state, v_token, v_head = v.strides[:3]  # (state, token, head)
         s_state, s_head, s_token = (_used(s, dim) for dim in range(3))  # (state, head, token)
@@ -320,22 +371,30 @@ def plan_many_states(
     }  # fmt: skip
     index = index_type([out, out_lse, v, s, indptr], num_tokens * num_heads, num_states)
     packs_per_row = head_size // vec
-    if _packed_kernel_fits(vec, widths, index, head_size, [out, v]):
+    if grouped or _packed_kernel_fits(vec, widths, index, head_size, [out, v]):
         geometry = _packed_geometry(state, vec)
+        group = _group_geometry(scales, options.group_size, vec)
         splits = choose_state_splits(num_states, geometry["total_packs"], cat.MERGE_CHUNK)
-        threads_x = max(32, PACKED_MANY_THREADS // splits)
+        threads_x = _group_block(max(32, PACKED_MANY_THREADS // splits), group["packs_per_group"])
+        splits = max(1, min(splits, CUDA_BLOCK_LIMIT // threads_x))
         grid = (-(-geometry["total_packs"] // threads_x), 1, 1)
         strides = {
             "out_stride_token": _in_packs(out.strides[0], num_tokens, vec),
             "v_stride_state": _in_packs(v_state, extents[0], vec),
             "v_stride_token": _in_packs(v_token, extents[1], vec),
         }
-        template = {"TIn": state.dtype, "TOut": out.dtype, "VEC": vec, "SPLIT": splits > 1}
+        template = {
+            "TIn": state.dtype,
+            "TOut": out.dtype,
+            "VEC": vec,
+            "SPLIT": splits > 1,
+            "GROUPED": grouped,
+        }
         shared = (splits - 1) * threads_x * _partial_bytes(vec)
-        return _plan(
-            cat.MANY_PACKED, module, template, grid, (threads_x, splits, 1), shared,
-            {**common, **geometry, **strides},
-        )  # fmt: skip
+        if grouped:
+            shared += 4 * (threads_x // group["packs_per_group"])
+        args = {**common, **geometry, **strides, **group, "scale_ue8m0": options.scale_ue8m0}
+        return _plan(cat.MANY_PACKED, module, template, grid, (threads_x, splits, 1), shared, args)
 
     threads_x, rows_y = choose_block(packs_per_row, num_tokens)
     splits = choose_state_splits(num_states, num_tokens * num_heads * threads_x, cat.MERGE_CHUNK)
@@ -344,6 +403,7 @@ def plan_many_states(
     grid = (min(-(-num_tokens // rows_y) * num_heads, MAX_GRID_X), 1, 1)
     args = {
         **common,
+        "out_scale": scales.per_tensor.ptr if scales.per_tensor is not None else 0,
         "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size,
         "out_stride_token": out.strides[0], "out_stride_head": out.strides[1],
         "v_stride_state": v_state, "v_stride_token": v_token, "v_stride_head": v_head,

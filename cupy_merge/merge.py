@@ -47,7 +47,11 @@ def merge_attn_states(
     suffix_lse: DeviceArray,
     output_lse: DeviceArray | None = None,
     prefill_tokens_with_context: int | None = None,
+    output_scale: DeviceArray | None = None,
     *,
+    output_block_scale: DeviceArray | None = None,
+    quant_group_size: int | None = None,
+    scale_ue8m0: bool = False,
     lse_base: str | int = "e",
     stream: Stream = None,
 ) -> None:
@@ -61,7 +65,8 @@ def merge_attn_states(
     ----------
     output : DeviceArray
         ``[num_tokens, num_heads, head_size]``, written. Any value dtype (e.g.
-        bfloat16 from float32 partials). May be the very same array as
+        bfloat16 from float32 partials), or FP8 ``float8_e4m3fn`` with a scale
+        (CuPy: ``uint8`` holding its bytes). May be the very same array as
         ``prefix_output`` or ``suffix_output``; must not overlap anything else.
     prefix_output : DeviceArray
         ``[num_tokens, num_heads, head_size]``, float32, float16 or bfloat16.
@@ -78,7 +83,25 @@ def merge_attn_states(
         be ``prefix_lse`` or ``suffix_lse`` itself. Not written when None.
     prefill_tokens_with_context : int, optional
         Tokens at or past this index take the suffix unchanged (values and LSE,
-        bit for bit): they had no prefix context. None merges every token.
+        bit for bit; an FP8 output gets the quantised suffix): they had no
+        prefix context. None merges every token.
+    output_scale : DeviceArray, optional
+        An FP8 output's per-tensor scale, vLLM's ``output_scale``: float32, one
+        element, on the device; read at each launch (a replayed CUDA graph
+        uses the scale of the replay). ``output`` gets
+        ``clamp(v / scale, -448, 448)`` rounded to nearest even (NaN stays NaN),
+        computed as ``v * (1 / scale)``. It must be positive and finite.
+    output_block_scale : DeviceArray, optional
+        An FP8 output's per-group scales, written: float32
+        ``[num_tokens, num_heads * head_size // quant_group_size]``, any strides.
+        A group is ``quant_group_size`` consecutive elements of a token's heads;
+        its scale is ``max(max|v|, 1e-10) / 448`` and its elements get
+        ``v / scale`` as above. Needs each value array's heads back to back.
+    quant_group_size : int, optional
+        Elements per group scale, a divisor of ``head_size`` (128 is common);
+        required with ``output_block_scale``.
+    scale_ue8m0 : bool
+        Round each group scale up to a power of two (UE8M0, as DeepGEMM reads them).
     lse_base : {"e", 2}
         Base of every LSE in and out: natural log (vLLM) or base 2 (FlashInfer).
     stream : Stream
@@ -113,9 +136,13 @@ def merge_attn_states(
     True
     """
     options = TwoStateOptions(
-        _checks.lse_base_flag(lse_base), _checks.token_count(prefill_tokens_with_context)
+        _checks.lse_base_flag(lse_base),
+        _checks.token_count(prefill_tokens_with_context),
+        None,
+        *_checks.quant_group(quant_group_size, output_block_scale, scale_ue8m0),
     )
-    arrays = (output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, None)
+    arrays = (output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, None,
+              output_scale, output_block_scale)  # fmt: skip
     return _dispatch.call(_MERGE_ATTN_STATES, options, arrays, stream)
 
 
@@ -128,6 +155,10 @@ def merge_state(
     out: DeviceArray | None = None,
     out_lse: DeviceArray | None = None,
     out_dtype: Any = None,
+    output_scale: DeviceArray | None = None,
+    output_block_scale: DeviceArray | None = None,
+    quant_group_size: int | None = None,
+    scale_ue8m0: bool = False,
     lse_base: str | int = "e",
     stream: Stream = None,
 ) -> tuple[DeviceArray, DeviceArray]:
@@ -153,8 +184,17 @@ def merge_state(
         Where to write the merged LSE, float32 ``[num_heads, num_tokens]``;
         allocated if omitted; may be ``s_a`` or ``s_b``.
     out_dtype : str or dtype, optional
-        Dtype of an allocated ``out`` (``"bfloat16"``, ``torch.float16``, ...);
-        the input dtype by default. Must match ``out`` when both are given.
+        Dtype of an allocated ``out`` (``"bfloat16"``, ``torch.float16``,
+        ``"float8_e4m3fn"``, ...); the input dtype by default. Must match ``out``
+        when both are given.
+    output_scale : DeviceArray, optional
+        An FP8 output's per-tensor scale, as for :func:`merge_attn_states`.
+    output_block_scale : DeviceArray, optional
+        An FP8 output's per-group scales, written; as for :func:`merge_attn_states`.
+    quant_group_size : int, optional
+        As for :func:`merge_attn_states`.
+    scale_ue8m0 : bool
+        As for :func:`merge_attn_states`.
     lse_base : {"e", 2}
         Base of every LSE in and out.
     stream : Stream
@@ -182,8 +222,14 @@ def merge_state(
     >>> v.dtype, float(v[0, 0, 0]), round(float(s[0, 0]), 4)
     (dtype('float16'), 2.0, 0.6931)
     """
-    options = TwoStateOptions(_checks.lse_base_flag(lse_base), None, _checks.optional_value_dtype(out_dtype))
-    return _dispatch.call(_MERGE_STATE, options, (out, out_lse, v_a, s_a, v_b, s_b, None), stream)
+    options = TwoStateOptions(
+        _checks.lse_base_flag(lse_base),
+        None,
+        _checks.optional_value_dtype(out_dtype),
+        *_checks.quant_group(quant_group_size, output_block_scale, scale_ue8m0),
+    )
+    arrays = (out, out_lse, v_a, s_a, v_b, s_b, None, output_scale, output_block_scale)
+    return _dispatch.call(_MERGE_STATE, options, arrays, stream)
 
 
 def merge_state_in_place(
@@ -232,4 +278,5 @@ def merge_state_in_place(
     (2.0, 1.0)
     """
     options = TwoStateOptions(_checks.lse_base_flag(lse_base))
-    return _dispatch.call(_MERGE_STATE_IN_PLACE, options, (v, s, v, s, v_other, s_other, mask), stream)
+    arrays = (v, s, v, s, v_other, s_other, mask, None, None)
+    return _dispatch.call(_MERGE_STATE_IN_PLACE, options, arrays, stream)

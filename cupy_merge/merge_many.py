@@ -20,6 +20,10 @@ def merge_states(
     out_lse: DeviceArray | None = None,
     lse_base: str | int = "e",
     out_dtype: Any = None,
+    output_scale: DeviceArray | None = None,
+    output_block_scale: DeviceArray | None = None,
+    quant_group_size: int | None = None,
+    scale_ue8m0: bool = False,
     stream: Stream = None,
 ) -> tuple[DeviceArray, DeviceArray]:
     """Merge ``num_states`` attention states of the same tokens in one pass over memory.
@@ -46,7 +50,16 @@ def merge_states(
     lse_base : {"e", 2}
         Base of the LSE in and out: natural log (vLLM) or base 2 (FlashInfer).
     out_dtype : str or dtype, optional
-        Dtype of an allocated ``out``, e.g. bfloat16 from float32 partials.
+        Dtype of an allocated ``out``, e.g. bfloat16 from float32 partials, or
+        ``"float8_e4m3fn"`` with a scale.
+    output_scale : DeviceArray, optional
+        An FP8 output's per-tensor scale, as for :func:`cupy_merge.merge_attn_states`.
+    output_block_scale : DeviceArray, optional
+        An FP8 output's per-group scales, written; as for :func:`cupy_merge.merge_attn_states`.
+    quant_group_size : int, optional
+        As for :func:`cupy_merge.merge_attn_states`.
+    scale_ue8m0 : bool
+        As for :func:`cupy_merge.merge_attn_states`.
     stream : Stream
         As for :func:`cupy_merge.merge_attn_states`.
 
@@ -72,8 +85,14 @@ def merge_states(
     >>> out.dtype, out.shape, float(out[0, 0, 0]), round(float(lse[0, 0]), 4)
     (dtype('float16'), (4, 8, 128), 1.0, 2.7726)
     """
-    options = ManyStateOptions(_checks.lse_base_flag(lse_base), _checks.optional_value_dtype(out_dtype))
-    return _dispatch.call(_MERGE_STATES, options, (out, out_lse, v, s, None), stream)
+    options = ManyStateOptions(
+        _checks.lse_base_flag(lse_base),
+        _checks.optional_value_dtype(out_dtype),
+        False,
+        *_checks.quant_group(quant_group_size, output_block_scale, scale_ue8m0),
+    )
+    arrays = (out, out_lse, v, s, None, output_scale, output_block_scale)
+    return _dispatch.call(_MERGE_STATES, options, arrays, stream)
 
 
 def merge_states_varlen(
@@ -86,6 +105,10 @@ def merge_states_varlen(
     lse_base: str | int = "e",
     out_dtype: Any = None,
     check_indptr: bool = True,
+    output_scale: DeviceArray | None = None,
+    output_block_scale: DeviceArray | None = None,
+    quant_group_size: int | None = None,
+    scale_ue8m0: bool = False,
     stream: Stream = None,
 ) -> tuple[DeviceArray, DeviceArray]:
     """Merge a ragged batch: token ``t`` owns rows ``indptr[t]:indptr[t + 1]`` of ``v`` and ``s``.
@@ -113,6 +136,14 @@ def merge_states_varlen(
         synchronisation). Pass False inside CUDA graphs or hot loops: the kernel
         then writes NaN for any token whose offsets are out of range, never
         reading outside ``v``.
+    output_scale : DeviceArray, optional
+        As for :func:`merge_states`.
+    output_block_scale : DeviceArray, optional
+        As for :func:`merge_states`.
+    quant_group_size : int, optional
+        As for :func:`merge_states`.
+    scale_ue8m0 : bool
+        As for :func:`merge_states`.
     stream : Stream
         As for :func:`cupy_merge.merge_attn_states`.
 
@@ -137,5 +168,7 @@ def merge_states_varlen(
         _checks.lse_base_flag(lse_base),
         _checks.optional_value_dtype(out_dtype),
         _checks.flag(check_indptr, "check_indptr"),
+        *_checks.quant_group(quant_group_size, output_block_scale, scale_ue8m0),
     )
-    return _dispatch.call(_MERGE_STATES_VARLEN, options, (out, out_lse, v, s, indptr), stream)
+    arrays = (out, out_lse, v, s, indptr, output_scale, output_block_scale)
+    return _dispatch.call(_MERGE_STATES_VARLEN, options, arrays, stream)

@@ -13,7 +13,19 @@ from numpy.typing import ArrayLike
 
 from ._checks import lse_base_flag
 
-__all__ = ["attention", "merge_state", "merge_states", "merge_states_varlen"]
+__all__ = [
+    "attention",
+    "merge_state",
+    "merge_states",
+    "merge_states_varlen",
+    "quantize_fp8",
+    "quantize_fp8_groups",
+]
+
+#: The largest finite float8_e4m3fn.
+FP8_MAX = 448.0
+#: Group scales are at least this largest magnitude over FP8_MAX (an all-zero group stays finite).
+FP8_ABS_MAX_FLOOR = 1e-10
 
 
 def merge_state(
@@ -130,6 +142,82 @@ def merge_states_varlen(
         merged, merged_lse = merge_states(v[rows, None], s[:, rows].T[:, :, None], lse_base)
         out[token], lse[:, token] = merged[0], merged_lse[:, 0]
     return out, lse
+
+
+def quantize_fp8(v: ArrayLike, scale: float) -> np.ndarray:
+    """FP8 (float8_e4m3fn) of ``v / scale``: clamped to +-448 (infinities too), nearest even, NaN kept.
+
+    Parameters
+    ----------
+    v : array_like
+        Values, e.g. a merge's float64 output.
+    scale : float
+        The per-tensor scale (vLLM's ``output_scale``).
+
+    Returns
+    -------
+    numpy.ndarray
+        Of dtype ``ml_dtypes.float8_e4m3fn``, the shape of ``v``.
+
+    Examples
+    --------
+    >>> from cupy_merge import reference
+    >>> reference.quantize_fp8([1.0, 1000.0, -3.3], 0.5).astype(float).tolist()
+    [2.0, 448.0, -6.5]
+    """
+    import ml_dtypes
+
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        scaled = np.clip(_f64(v) / scale, -FP8_MAX, FP8_MAX)
+    return scaled.astype(ml_dtypes.float8_e4m3fn)
+
+
+def quantize_fp8_groups(v: ArrayLike, group_size: int, ue8m0: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """FP8 with a scale per ``group_size`` consecutive elements of each token's heads.
+
+    A group's scale is ``max(max|v|, 1e-10) / 448`` in float32 (a NaN in the
+    group makes it NaN), rounded up to a power of two when ``ue8m0``; its
+    elements are quantised as by :func:`quantize_fp8` with that scale.
+
+    Parameters
+    ----------
+    v : array_like
+        ``[num_tokens, num_heads, head_size]``.
+    group_size : int
+        A divisor of ``head_size``.
+    ue8m0 : bool
+        Round each scale up to a power of two.
+
+    Returns
+    -------
+    values : numpy.ndarray
+        ``ml_dtypes.float8_e4m3fn`` of the shape of ``v``.
+    scales : numpy.ndarray
+        Float32 ``[num_tokens, num_heads * head_size // group_size]``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupy_merge import reference
+    >>> values, scales = reference.quantize_fp8_groups(np.array([[[1.0, -4.0, 0.0, 0.0]]]), 2, ue8m0=True)
+    >>> values.astype(float).tolist(), scales.tolist()
+    ([[[64.0, -256.0, 0.0, 0.0]]], [[0.015625, 2.2737367544323206e-13]])
+    """
+    v = _f64(v)
+    num_tokens = v.shape[0]
+    groups = v.reshape(num_tokens, -1, group_size)
+    with np.errstate(invalid="ignore"):
+        amax = np.abs(groups).max(axis=-1).astype(np.float32)
+    scales = np.where(np.isnan(amax), amax, np.maximum(amax, np.float32(FP8_ABS_MAX_FLOOR))) / np.float32(
+        FP8_MAX
+    )
+    if ue8m0:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scales = np.where(np.isfinite(scales), np.exp2(np.ceil(np.log2(scales))), scales).astype(
+                np.float32
+            )
+    values = quantize_fp8(groups / scales[..., None].astype(np.float64), 1.0)
+    return values.reshape(v.shape), scales
 
 
 def _f64(x) -> np.ndarray:

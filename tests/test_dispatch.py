@@ -37,7 +37,9 @@ def test_the_call_cache_is_bounded(monkeypatch):
     monkeypatch.setattr(_dispatch, "run", lambda *args: None)
     monkeypatch.setattr(_arrays, "fingerprints", lambda arrays: arrays)
     for key in range(5):
-        _dispatch.call(_dispatch.Operation("f", None, False, False, False, frozenset()), (), (key,), None)
+        _dispatch.call(
+            _dispatch.Operation("f", None, False, False, False, frozenset(), frozenset()), (), (key,), None
+        )
     assert 1 <= len(_dispatch._calls) <= 3
 
 

@@ -17,7 +17,7 @@ OPTIONS = _plan.TwoStateOptions()
 
 
 def _planned(views: dict, options=OPTIONS, operation=_MERGE_STATE):
-    arrays = [views.get(name) for name in ORDER] + [views.get("mask")]
+    arrays = [views.get(name) for name in ORDER + ["mask", "output_scale", "output_block_scale"]]
     return _dispatch.plan_call(operation, options, arrays)
 
 

@@ -248,7 +248,7 @@ def test_two_way_launches_touch_only_their_arrays_and_write_each_output_once(pac
             views["out"] = views["v_a"]  # in place
         if rng.random() < 0.2 and views["out_lse"] is not None:
             views["out_lse"] = views["s_b"]
-        arrays = [views[n] for n in ("out", "out_lse", "v_a", "s_a", "v_b", "s_b")] + [None]
+        arrays = [views[n] for n in ("out", "out_lse", "v_a", "s_a", "v_b", "s_b")] + [None, None, None]
         plan = _dispatch.plan_call(_MERGE_STATE, _plan.TwoStateOptions(), arrays).plan
         memory = Memory(views)
         replay_two(plan, memory)
@@ -289,7 +289,7 @@ def test_n_way_launches_touch_only_their_arrays_and_write_each_output_once(packe
             "out": _random_values(rng, (tokens, heads, head_size), dtype, 5 << 32),
             "out_lse": _lse(rng, (heads, tokens), 6 << 32),
         }  # fmt: skip
-        arrays = [views["out"], views["out_lse"], v, s, index]
+        arrays = [views["out"], views["out_lse"], v, s, index, None, None]
         plan = _dispatch.plan_call(operation, _plan.ManyStateOptions(), arrays).plan
         memory = Memory(views)
         if "merge_two_states" in plan.kernel:  # two dense states go to the two-way kernel

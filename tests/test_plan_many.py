@@ -35,7 +35,8 @@ def _dense(**changes):
 def _plan(views, options=None):
     options = options or _plan_module.ManyStateOptions()
     operation = _MERGE_STATES if views["indptr"] is None else _MERGE_STATES_VARLEN
-    arrays = [views["out"], views["out_lse"], views["v"], views["s"], views["indptr"]]
+    arrays = [views[name] for name in ("out", "out_lse", "v", "s", "indptr")]
+    arrays += [views.get("output_scale"), views.get("output_block_scale")]
     return _dispatch.plan_call(operation, options, arrays).plan
 
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from cupy_merge._arrays import ArrayView
 
-ITEMSIZE = {"bfloat16": 2, "bool": 1}
+ITEMSIZE = {"bfloat16": 2, "bool": 1, "float8_e4m3fn": 1}
 
 
 def contiguous_strides(shape):

@@ -12,8 +12,12 @@ For each case (bfloat16 unless named) it measures, in one run:
   the host; the median batch): ``host_*_us`` calls ``merge_attn_states`` each time,
   ``bound_*_us`` relaunches a merge bound once with ``cupy_merge.bind``;
 
-and then, for N-way and ragged merges, ``merge_states`` against the same-bytes copy,
-chained two-way merges and eager torch.
+then, for N-way and ragged merges, ``merge_states`` against the same-bytes copy,
+chained two-way merges and eager torch; and for FP8 outputs (bfloat16 in), the
+fused merge with a per-tensor scale and with group scales (128 elements)
+against its own bytes' copy and against the unfused way, a merge to bfloat16
+then a separate one-pass quantisation (``unfused_us``; the per-tensor pass, the
+cheapest any separate quantisation can be) or eager torch's (``torch_unfused_us``).
 
 Usage: ``python -m cupy_merge.bench [--quick] [--no-compile] [--out results.csv|.json] [--plot plot.png]``
 """
@@ -32,6 +36,7 @@ import cupy
 import numpy
 
 from .. import bind, merge_attn_states, merge_state, merge_states, merge_states_varlen
+from .._arrays import cupy_dtype
 from .timing import median_ms
 
 DEFAULT_CASES = [
@@ -53,6 +58,16 @@ MANY_CASES = [
 ]
 QUICK_MANY_CASES = [(16, 64, 32, 128), (4, 4096, 32, 128)]
 RAGGED_CASES = [(8, 1024, 32, 128), (16, 4096, 32, 128)]  # (mean states per token, tokens, heads, head_size)
+#: (tokens, heads, head_size), bfloat16 in, FP8 out; 128 heads as vLLM's measurement of its fused op.
+FP8_CASES = [
+    (1, 128, 128),
+    (64, 32, 128),
+    (1024, 128, 128),
+    (4096, 32, 128),
+    (8192, 32, 128),
+    (16384, 32, 128),
+]
+QUICK_FP8_CASES = [(1, 128, 128), (1024, 128, 128), (8192, 32, 128)]
 
 
 def _torch():
@@ -267,6 +282,87 @@ MANY_COLUMNS = [
 ]  # fmt: skip
 
 
+_QUANTISE = r"""
+#include "numerics.cuh"
+using namespace cupy_merge;
+extern "C" __global__ void quantise(const bfloat16_t* in, fp8_e4m3_t* out, const float* scale, long long packs) {
+  const long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (i >= packs) return;
+  const Pack<bfloat16_t, 8> x = load_pack(reinterpret_cast<const Pack<bfloat16_t, 8>*>(in) + i);
+  float values[8];
+  for (int k = 0; k < 8; ++k) values[k] = to_float(x.v[k]);
+  store_pack(reinterpret_cast<Pack<fp8_e4m3_t, 8>*>(out) + i, output_pack<fp8_e4m3_t>(values, 1.0f / *scale));
+}
+"""
+
+
+def _quantiser():
+    """A one-pass bfloat16 -> FP8 quantisation (16-byte loads, one thread per 8 elements)."""
+    import importlib.resources
+
+    header = (importlib.resources.files("cupy_merge.cuda_src") / "numerics.cuh").read_text()
+    source = _QUANTISE.replace('#include "numerics.cuh"', header)
+    return cupy.RawModule(code=source, options=("-std=c++17",)).get_function("quantise")
+
+
+def run_fp8_case(tokens, heads, head_size, torch, quantise) -> dict:
+    """A merge of two bfloat16 states into FP8: fused (per-tensor, per-group) against unfused."""
+    shape = (tokens, heads, head_size)
+    v_a, v_b = (
+        cupy.random.standard_normal(shape, dtype=cupy.float32).astype(cupy_dtype("bfloat16"))
+        for _ in range(2)
+    )
+    s_a, s_b = (cupy.random.standard_normal((heads, tokens), dtype=cupy.float32) * 4 for _ in range(2))
+    out_lse = cupy.empty((heads, tokens), cupy.float32)
+    out8 = cupy.empty(shape, cupy.uint8)
+    out16 = cupy.empty_like(v_a)
+    scale = cupy.array([0.02], cupy.float32)
+    group_scales = cupy.empty((tokens, heads * head_size // 128), cupy.float32)
+    elements = tokens * heads * head_size
+    traffic = elements * (2 + 2 + 1) + tokens * heads * 12
+    row = {"tokens": tokens, "heads": heads, "head_size": head_size, "mbytes": traffic / 1e6}
+    row["fused_us"] = (
+        median_ms(lambda: merge_attn_states(out8, v_a, s_a, v_b, s_b, out_lse, None, scale)) * 1e3
+    )
+    row["fused_group_us"] = median_ms(
+        lambda: merge_attn_states(out8, v_a, s_a, v_b, s_b, out_lse, output_block_scale=group_scales,
+                                  quant_group_size=128)
+    ) * 1e3  # fmt: skip
+    packs = elements // 8
+    grid = (-(-packs // 256),)
+
+    def unfused():
+        merge_attn_states(out16, v_a, s_a, v_b, s_b, out_lse)
+        quantise(grid, (256,), (out16, out8, scale, numpy.int64(packs)))
+
+    row["bf16_us"] = median_ms(lambda: merge_attn_states(out16, v_a, s_a, v_b, s_b, out_lse)) * 1e3
+    row["unfused_us"] = median_ms(unfused) * 1e3
+    if torch is not None and hasattr(torch, "float8_e4m3fn"):
+        t16, t_a, t_b = (torch.from_dlpack(x) for x in (out16, v_a, v_b))
+        t_sa, t_sb, t_lse, t_scale = (torch.from_dlpack(x) for x in (s_a, s_b, out_lse, scale))
+
+        def torch_unfused():
+            merge_attn_states(t16, t_a, t_sa, t_b, t_sb, t_lse)
+            (t16.float() / t_scale).clamp_(-448, 448).to(torch.float8_e4m3fn)
+
+        row["torch_unfused_us"] = median_ms(torch_unfused) * 1e3
+    copy_src = cupy.empty(traffic // 2, dtype=cupy.uint8)
+    copy_dst = cupy.empty_like(copy_src)
+    row["copy_us"] = median_ms(lambda: copy_dst.__setitem__(Ellipsis, copy_src)) * 1e3
+    row["pct_of_copy"] = 100 * row["copy_us"] / row["fused_us"]
+    row["group_pct_of_copy"] = 100 * row["copy_us"] / row["fused_group_us"]
+    row["unfused_over_fused"] = row["unfused_us"] / row["fused_us"]
+    return row
+
+
+FP8_COLUMNS = [
+    ("tokens", "{:>6}"), ("heads", "{:>5}"), ("head_size", "{:>4}"), ("mbytes", "{:>8.1f}"),
+    ("fused_us", "{:>9.1f}"), ("fused_group_us", "{:>9.1f}"), ("copy_us", "{:>9.1f}"), ("pct_of_copy", "{:>6.1f}"),
+    ("group_pct_of_copy", "{:>6.1f}"), ("bf16_us", "{:>9.1f}"), ("unfused_us", "{:>9.1f}"),
+    ("unfused_over_fused", "{:>5.2f}"), ("torch_unfused_us", "{:>9.1f}"),
+]  # fmt: skip
+
+
 def format_table(rows: list[dict], columns=None) -> str:
     """Right-aligned columns, each as wide as its name or its widest cell."""
     columns = columns or COLUMNS
@@ -284,7 +380,7 @@ def _write(rows: list[dict], path: str) -> None:
         with open(path, "w") as f:
             json.dump(rows, f, indent=1)
         return
-    names = list(dict.fromkeys(name for name, _ in COLUMNS + MANY_COLUMNS))
+    names = list(dict.fromkeys(name for name, _ in COLUMNS + MANY_COLUMNS + FP8_COLUMNS))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=names, extrasaction="ignore")
         writer.writeheader()
@@ -344,8 +440,9 @@ def main(argv=None) -> int:
         (*c, False) for c in (QUICK_MANY_CASES if args.quick else MANY_CASES)
     ]
     many += [(*c, True) for c in RAGGED_CASES[: 1 if args.quick else None]]
-    total = len(cases) + len(many)
-    rows, many_rows = [], []
+    fp8_cases = QUICK_FP8_CASES if args.quick else FP8_CASES
+    total = len(cases) + len(many) + len(fp8_cases)
+    rows, many_rows, fp8_rows = [], [], []
     for index, case in enumerate(cases, 1):
         _progress(index, total, case)
         tokens, heads, head_size, dtype = case
@@ -355,12 +452,19 @@ def main(argv=None) -> int:
         states, tokens, heads, head_size, ragged = many_case
         many_rows.append(run_many_case(states, tokens, heads, head_size, torch, ragged=ragged))
         _release_memory(torch)
+    quantise = _quantiser()
+    for index, fp8_case in enumerate(fp8_cases, len(cases) + len(many) + 1):
+        _progress(index, total, fp8_case)
+        fp8_rows.append(run_fp8_case(*fp8_case, torch, quantise))
+        _release_memory(torch)
     print(file=sys.stderr)
     print(format_table(rows))
     print()
     print(format_table(many_rows, MANY_COLUMNS))
+    print()
+    print(format_table(fp8_rows, FP8_COLUMNS))
     if args.out:
-        _write(rows + many_rows, args.out)
+        _write(rows + many_rows + fp8_rows, args.out)
     if args.plot:
         _plot(rows, args.plot)
     return 0
