@@ -38,6 +38,7 @@ COMPILE_OPTIONS = ("-std=c++17", f"-DMERGE_CHUNK={MERGE_CHUNK}")
 
 TWO_STATES_SOURCE = "merge_two_states.cu"
 MANY_STATES_SOURCE = "merge_many_states.cu"
+RANKS_SOURCE = "merge_across_ranks.cu"
 
 
 class KernelFamily(NamedTuple):
@@ -135,7 +136,28 @@ MANY_PACKED = KernelFamily(
     ),
 )  # fmt: skip
 
-FAMILIES = (TWO_STRIDED, TWO_PACKED, MANY_STRIDED, MANY_PACKED)
+RANK_PACK = KernelFamily(
+    RANKS_SOURCE,
+    "pack_states",
+    ("T", "VEC"),
+    (
+        "packed", "v", "lse", "num_tokens", "num_heads", "head_size", "heads_per_shard",
+        "chunk_bytes", "lse_offset", "v_stride_token", "v_stride_head", "lse_stride_head", "lse_stride_token",
+    ),
+)  # fmt: skip
+
+RANK_SCALE = KernelFamily(
+    RANKS_SOURCE,
+    "scale_for_sum",
+    ("T", "VEC"),
+    (
+        "scaled", "out_lse", "v", "gathered_lse", "world", "rank", "num_tokens", "num_heads", "head_size",
+        "heads_per_shard", "chunk_elements", "first_head", "out_heads",
+        "v_stride_token", "v_stride_head", "out_lse_stride_head", "out_lse_stride_token", "lse_base_2",
+    ),
+)  # fmt: skip
+
+FAMILIES = (TWO_STRIDED, TWO_PACKED, MANY_STRIDED, MANY_PACKED, RANK_PACK, RANK_SCALE)
 
 #: Elements per vector pack, widest first, by the smaller element size of input
 #: and output: 16-byte packs where shapes and alignment allow.
@@ -170,6 +192,12 @@ def module_instances(module: Module) -> list[str]:
     size decides the widest that divides it).
     """
     a, b = module.in_dtype, module.out_dtype
+    if module.source == RANKS_SOURCE:
+        return [
+            family.instance(T=a, VEC=vec)
+            for family in (RANK_PACK, RANK_SCALE)
+            for vec in (1, 16 // ITEMSIZES[a])
+        ]
     widths, full = vector_widths(a, b), full_pack(a, b)
     grouped = [(full, False)] + ([(vec, True) for vec in widths] if b == FP8 else [])
     if module.source == TWO_STATES_SOURCE:
@@ -204,9 +232,13 @@ def all_modules() -> list[Module]:
         for source in (TWO_STATES_SOURCE, MANY_STATES_SOURCE)
         for a in VALUE_CTYPES
         for b in OUTPUT_CTYPES
-    ]
+    ] + [Module(RANKS_SOURCE, a, a) for a in VALUE_CTYPES]
 
 
 def same_dtype_modules() -> list[Module]:
-    """The modules a caller without dtype conversion uses (compiled ahead by the self-check)."""
-    return [module for module in all_modules() if module.in_dtype == module.out_dtype]
+    """The merges' modules a caller without dtype conversion uses (compiled ahead by the self-check)."""
+    return [
+        module
+        for module in all_modules()
+        if module.in_dtype == module.out_dtype and module.source != RANKS_SOURCE
+    ]

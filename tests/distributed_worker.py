@@ -11,7 +11,9 @@ import traceback
 
 import numpy as np
 
-TOKENS, HEADS, HEAD_SIZE, KV_LEN = 6, 4, 64, 300
+from cupy_merge import reference
+
+TOKENS, HEADS, HEAD_SIZE, KV_LEN = 6, 8, 64, 300
 
 
 def shard_edges(world: int) -> np.ndarray:
@@ -22,6 +24,45 @@ def shard_edges(world: int) -> np.ndarray:
     return edges
 
 
+MODES = [(False, "allgather"), (False, "allreduce"), (False, "auto"),
+         (True, "alltoall"), (True, "allgather_reducescatter"), (True, "auto")]  # fmt: skip
+
+
+def _shard_states(rank: int, world: int, seed: int):
+    """This rank's state, every rank's states (float64) and attention over the whole KV.
+
+    Token 0 of head 1 has no keys on any rank (its LSE is -inf everywhere), and
+    with 4 or more ranks rank 1's whole shard is empty."""
+    rng = np.random.default_rng(seed)  # the same queries and KV on every rank
+    q, k, v = (rng.standard_normal((n, HEADS, HEAD_SIZE)) for n in (TOKENS, KV_LEN, KV_LEN))
+    edges = shard_edges(world)
+    states = [list(reference.attention(q, k[a:b], v[a:b])) for a, b in itertools.pairwise(edges)]
+    for state in states:
+        state[0][0, 1] = 0.0
+        state[1][1, 0] = -np.inf
+    want_v, _ = reference.merge_states(np.stack([x[0] for x in states]), np.stack([x[1] for x in states]))
+    return states[rank], states, want_v
+
+
+def _expected(states, dtype_of, shard_heads, rank, world):
+    """The float64 merge of the very (rounded) inputs, and the heads this rank receives."""
+    rounded = np.stack([dtype_of(x[0]) for x in states])
+    exact_v, exact_s = reference.merge_states(rounded, np.stack([x[1].astype(np.float32) for x in states]))
+    heads = slice(rank * HEADS // world, (rank + 1) * HEADS // world) if shard_heads else slice(None)
+    return exact_v[:, heads], exact_s[heads], heads
+
+
+def _compare(got_v, got_s, exact_v, exact_s, tolerance, label, failures):
+    error = np.linalg.norm(got_v - exact_v) / np.linalg.norm(exact_v)
+    finite = np.isfinite(exact_s)
+    lse_ok = (
+        np.array_equal(np.isneginf(got_s), np.isneginf(exact_s))
+        and np.max(np.abs(got_s[finite] - exact_s[finite])) <= 1e-4
+    )
+    if not (error <= tolerance and lse_ok and np.isfinite(got_v).all()):
+        failures.append(f"{label}: rel.err {error:.2e}, lse ok {lse_ok}")
+
+
 def run_rank(rank: int, world: int, init_method: str, backend: str, dtypes: list[str], queue) -> None:
     failures = []
     try:
@@ -29,82 +70,195 @@ def run_rank(rank: int, world: int, init_method: str, backend: str, dtypes: list
         import torch.distributed as dist
 
         import cupy_merge.distributed as cmd
-        from cupy_merge import reference
 
         device = f"cuda:{rank}" if backend == "nccl" else "cpu"
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
-        rng = np.random.default_rng(1234)  # the same queries and KV on every rank
-        q, k, v = (rng.standard_normal((n, HEADS, HEAD_SIZE)) for n in (TOKENS, KV_LEN, KV_LEN))
-        edges = shard_edges(world)
-        want_v, _ = reference.attention(q, k, v)
+        (part_v, part_s), states, want_v = _shard_states(rank, world, 1234)
         for dtype in dtypes:
-            part_v, part_s = reference.attention(
-                q, k[edges[rank] : edges[rank + 1]], v[edges[rank] : edges[rank + 1]]
-            )
-            tv = torch.tensor(part_v, dtype=getattr(torch, dtype), device=device)
+            torch_dtype = getattr(torch, dtype)
+            tv = torch.tensor(part_v, dtype=torch_dtype, device=device)
             ts = torch.tensor(part_s, dtype=torch.float32, device=device)
-            # The answer for these very (rounded) inputs: the float64 merge of every rank's state.
-            states = [reference.attention(q, k[a:b], v[a:b]) for a, b in itertools.pairwise(edges)]
-            rounded_v = np.stack(
-                [torch.tensor(x[0], dtype=getattr(torch, dtype)).double().numpy() for x in states]
-            )
-            exact_v, exact_s = reference.merge_states(
-                rounded_v, np.stack([x[1].astype(np.float32) for x in states])
-            )
+            token_major = ts.T.contiguous().T  # an [H, T] view of a [T, H] buffer
             tolerance = 1e-5 if dtype == "float32" else 1e-2
-            for op in ("allreduce", "allgather", "auto"):
-                got_v, got_s = cmd.merge_across_ranks(tv, ts, op=op)
-                got_v = got_v.double().cpu().numpy()
-                got_s = got_s.double().cpu().numpy()
-                error = np.linalg.norm(got_v - exact_v) / np.linalg.norm(exact_v)
-                lse_error = np.max(np.abs(got_s - exact_s))
-                attention_error = np.linalg.norm(got_v - want_v) / np.linalg.norm(want_v)
-                if not (error <= tolerance and lse_error <= 1e-4 and attention_error <= max(tolerance, 1e-5)):
-                    failures.append(
-                        f"{backend} {dtype} {op}: rel.err {error:.2e}, lse err {lse_error:.2e}, vs attention {attention_error:.2e}"
-                    )
-            # Writing into the caller's buffers, and base-2 LSEs.
-            out, out_lse = torch.empty_like(tv), torch.empty_like(ts)
-            cmd.merge_across_ranks(tv, ts / np.log(2), op="allreduce", out=out, out_lse=out_lse, lse_base=2)
-            if np.max(np.abs(out_lse.double().cpu().numpy() * np.log(2) - exact_s)) > 1e-4:
-                failures.append(f"{backend} {dtype}: base-2 LSE wrong")
+            for shard_heads, op in MODES:
+                exact_v, exact_s, heads = _expected(
+                    states,
+                    lambda x, torch_dtype=torch_dtype: torch.tensor(x, dtype=torch_dtype).double().numpy(),
+                    shard_heads,
+                    rank,
+                    world,
+                )
+                for lse in (ts, token_major):
+                    got_v, got_s = cmd.merge_across_ranks(tv, lse, op=op, shard_heads=shard_heads)
+                    _compare(got_v.double().cpu().numpy(), got_s.double().cpu().numpy(), exact_v, exact_s,
+                             tolerance, f"{backend} {dtype} {op} shard={shard_heads}", failures)  # fmt: skip
+                if np.linalg.norm(got_v.double().cpu().numpy() - want_v[:, heads]) > 0.05 * np.linalg.norm(
+                    want_v
+                ):
+                    failures.append(f"{backend} {dtype} {op}: far from attention over the whole KV")
+                # The caller's buffers (a strided out), and base-2 LSEs.
+                out = torch.empty(TOKENS, exact_v.shape[1], 2 * HEAD_SIZE, dtype=torch_dtype, device=device)
+                out = out[..., :HEAD_SIZE]
+                out_lse = torch.empty(exact_s.shape, device=device)
+                cmd.merge_across_ranks(tv, ts / np.log(2), op=op, shard_heads=shard_heads, out=out,
+                                       out_lse=out_lse, lse_base=2)  # fmt: skip
+                _compare(out.double().cpu().numpy(), out_lse.double().cpu().numpy() * np.log(2), exact_v, exact_s,
+                         tolerance, f"{backend} {dtype} {op} shard={shard_heads} out= base 2", failures)  # fmt: skip
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - every failure goes back to the test as text
         failures.append(traceback.format_exc())
     queue.put((rank, failures))
 
 
+def _numpy_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
 def run_cupy_rank(rank: int, world: int, uid, dtype: str, queue) -> None:
-    """The same check through CuPy arrays and cupy.cuda.nccl."""
+    """The same checks through CuPy arrays and cupy.cuda.nccl, on a CuPy stream of its own."""
     failures = []
     try:
         import cupy
         from cupy.cuda import nccl
 
         import cupy_merge.distributed as cmd
-        from cupy_merge import reference
 
         cupy.cuda.Device(rank).use()
         comm = nccl.NcclCommunicator(world, uid, rank)
-        rng = np.random.default_rng(99)
-        q, k, v = (rng.standard_normal((n, HEADS, HEAD_SIZE)) for n in (TOKENS, KV_LEN, KV_LEN))
-        edges = shard_edges(world)
-        states = [reference.attention(q, k[a:b], v[a:b]) for a, b in itertools.pairwise(edges)]
-        exact_v, exact_s = reference.merge_states(
-            np.stack([x[0] for x in states]), np.stack([x[1] for x in states])
-        )
-        part_v, part_s = states[rank]
-        cv, cs = cupy.asarray(part_v.astype(dtype)), cupy.asarray(part_s.astype(np.float32))
-        for op in ("allreduce", "allgather"):
-            got_v, got_s = cmd.merge_across_ranks(cv, cs, comm, op=op)
-            error = np.linalg.norm(cupy.asnumpy(got_v).astype(np.float64) - exact_v) / np.linalg.norm(exact_v)
-            if (
-                error > (1e-5 if dtype == "float32" else 1e-2)
-                or np.max(np.abs(cupy.asnumpy(got_s) - exact_s)) > 1e-4
-            ):
-                failures.append(f"cupy nccl {dtype} {op}: rel.err {error:.2e}")
+        (part_v, part_s), states, _ = _shard_states(rank, world, 99)
+        value_type = _numpy_dtype(dtype)
+        cv, cs = cupy.asarray(part_v.astype(value_type)), cupy.asarray(part_s.astype(np.float32))
+        stream = cupy.cuda.Stream(non_blocking=True)
+        for shard_heads, op in MODES:
+            exact_v, exact_s, _ = _expected(
+                states, lambda x: x.astype(value_type).astype(np.float64), shard_heads, rank, world
+            )
+            got_v, got_s = cmd.merge_across_ranks(cv, cs, comm, op=op, shard_heads=shard_heads, stream=stream)
+            stream.synchronize()
+            _compare(cupy.asnumpy(got_v).astype(np.float64), cupy.asnumpy(got_s).astype(np.float64), exact_v,
+                     exact_s, 1e-5 if dtype == "float32" else 1e-2, f"cupy nccl {dtype} {op} shard={shard_heads}",
+                     failures)  # fmt: skip
+    except Exception:  # noqa: BLE001
+        failures.append(traceback.format_exc())
+    queue.put((rank, failures))
+
+
+def run_bad_inputs_rank(rank: int, world: int, init_method: str, queue) -> None:
+    """Heads that do not divide among the ranks, and outputs of the wrong shape, raise on every rank."""
+    failures = []
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import cupy_merge.distributed as cmd
+
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+        v, s = torch.zeros(3, 5, 8), torch.zeros(5, 3)
+        cases = [
+            ({"shard_heads": True}, ValueError, "v: expected num_heads divisible by the 2 ranks"),
+            ({"shard_heads": True, "out": torch.zeros(3, 5, 8)}, ValueError, "v: expected num_heads"),
+            ({"out": torch.zeros(3, 4, 8)}, ValueError, "out: expected float32 of shape (3, 5, 8)"),
+            ({"out_lse": torch.zeros(3, 5)}, ValueError, "out_lse: expected float32 of shape (5, 3)"),
+        ]
+        for kwargs, error, words in cases:
+            try:
+                cmd.merge_across_ranks(v, s, **kwargs)
+                failures.append(f"{kwargs}: no error")
+            except error as raised:
+                if not str(raised).startswith(words):
+                    failures.append(f"{kwargs}: {raised}")
+        v4 = torch.zeros(3, 4, 8)
+        try:
+            cmd.merge_across_ranks(v4, torch.zeros(4, 3), shard_heads=True, out=torch.zeros(3, 4, 8))
+            failures.append("a head-sharded out of all heads: no error")
+        except ValueError as raised:
+            if not str(raised).startswith("out: expected float32 of shape (3, 2, 8)"):
+                failures.append(str(raised))
+        dist.barrier()  # every rank is still in step: no collective was left half done
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        failures.append(traceback.format_exc())
+    queue.put((rank, failures))
+
+
+def run_graph_rank(rank: int, world: int, init_method: str, queue) -> None:
+    """Every strategy captured by torch.cuda.graph with NCCL, replayed on new data."""
+    failures = []
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import cupy_merge.distributed as cmd
+
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world)
+        (part_v, part_s), _, _ = _shard_states(rank, world, 7)
+        tv = torch.tensor(part_v, dtype=torch.bfloat16, device="cuda")
+        ts = torch.tensor(part_s, dtype=torch.float32, device="cuda")
+        (new_v, new_s), new_states, _ = _shard_states(rank, world, 8)
+        for shard_heads, op in MODES:
+            tv.copy_(torch.tensor(part_v, dtype=torch.bfloat16))
+            ts.copy_(torch.tensor(part_s))
+            cmd.merge_across_ranks(tv, ts, op=op, shard_heads=shard_heads)  # compiles, and warms NCCL up
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                got_v, got_s = cmd.merge_across_ranks(tv, ts, op=op, shard_heads=shard_heads)
+            tv.copy_(torch.tensor(new_v, dtype=torch.bfloat16))
+            ts.copy_(torch.tensor(new_s))
+            graph.replay()
+            torch.cuda.synchronize()
+            exact_v, exact_s, _ = _expected(
+                new_states,
+                lambda x: torch.tensor(x, dtype=torch.bfloat16).double().numpy(),
+                shard_heads,
+                rank,
+                world,
+            )
+            _compare(got_v.double().cpu().numpy(), got_s.double().cpu().numpy(), exact_v, exact_s, 1e-2,
+                     f"graph {op} shard={shard_heads}", failures)  # fmt: skip
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        failures.append(traceback.format_exc())
+    queue.put((rank, failures))
+
+
+def run_cupy_graph_rank(rank: int, world: int, uid, queue) -> None:
+    """Every strategy captured on a CuPy stream with cupy.cuda.nccl, replayed on new data."""
+    failures = []
+    try:
+        import cupy
+        from cupy.cuda import nccl
+
+        import cupy_merge.distributed as cmd
+
+        cupy.cuda.Device(rank).use()
+        comm = nccl.NcclCommunicator(world, uid, rank)
+        (part_v, part_s), _, _ = _shard_states(rank, world, 7)
+        (new_v, new_s), new_states, _ = _shard_states(rank, world, 8)
+        cv, cs = cupy.asarray(part_v.astype(np.float16)), cupy.asarray(part_s.astype(np.float32))
+        stream = cupy.cuda.Stream(non_blocking=True)
+        for shard_heads, op in MODES:
+            cmd.merge_across_ranks(cv, cs, comm, op=op, shard_heads=shard_heads, stream=stream)
+            stream.synchronize()
+            stream.begin_capture()
+            got_v, got_s = cmd.merge_across_ranks(cv, cs, comm, op=op, shard_heads=shard_heads, stream=stream)
+            graph = stream.end_capture()
+            cv.set(new_v.astype(np.float16))
+            cs.set(new_s.astype(np.float32))
+            graph.launch(stream)
+            stream.synchronize()
+            exact_v, exact_s, _ = _expected(
+                new_states, lambda x: x.astype(np.float16).astype(np.float64), shard_heads, rank, world
+            )
+            _compare(cupy.asnumpy(got_v).astype(np.float64), cupy.asnumpy(got_s).astype(np.float64), exact_v,
+                     exact_s, 1e-2, f"cupy graph {op} shard={shard_heads}", failures)  # fmt: skip
     except Exception:  # noqa: BLE001
         failures.append(traceback.format_exc())
     queue.put((rank, failures))

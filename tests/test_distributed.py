@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import queue as queue_module
 import socket
 
 import pytest
@@ -17,20 +18,35 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_ranks(target, world: int, args_of_rank) -> None:
+def _run_ranks(target, world: int, args_of_rank, timeout: float = 180) -> None:
+    """``target`` in ``world`` spawned processes; a rank that never reports fails the test and every
+    rank is stopped (a rank left waiting in a collective would hold its GPU)."""
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    processes = [context.Process(target=target, args=(*args_of_rank(rank), queue)) for rank in range(world)]
+    processes = [
+        context.Process(target=target, args=(*args_of_rank(rank), queue), daemon=True) for rank in range(world)
+    ]
     for process in processes:
         process.start()
-    results = dict(queue.get(timeout=240) for _ in range(world))
-    for process in processes:
-        process.join(timeout=60)
+    results = {}
+    try:
+        for _ in range(world):
+            rank, messages = queue.get(timeout=timeout)
+            results[rank] = messages
+    except queue_module.Empty:
+        pass
+    finally:
+        for process in processes:
+            process.join(timeout=30 if len(results) == world else 0)
+            if process.is_alive():
+                process.kill()
+    missing = sorted(set(range(world)) - set(results))
     failures = [message for rank in sorted(results) for message in results[rank]]
+    failures += [f"rank {rank} did not report within {timeout} s (hung in a collective?)" for rank in missing]
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_gloo_ranks_on_the_cpu_merge_to_attention_over_the_whole_kv(world):
     pytest.importorskip("torch")
     from distributed_worker import run_rank
@@ -41,7 +57,7 @@ def test_gloo_ranks_on_the_cpu_merge_to_attention_over_the_whole_kv(world):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(GPU_COUNT < 2, reason="needs two CUDA devices")
-def test_nccl_two_gpus_torch_every_dtype_both_strategies():
+def test_nccl_two_gpus_torch_every_dtype_and_strategy():
     pytest.importorskip("torch")
     from distributed_worker import run_rank
 
@@ -49,35 +65,59 @@ def test_nccl_two_gpus_torch_every_dtype_both_strategies():
     _run_ranks(run_rank, 2, lambda rank: (rank, 2, init, "nccl", ["float32", "float16", "bfloat16"]))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(GPU_COUNT < 2, reason="needs two CUDA devices")
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_nccl_two_gpus_cupy_communicator(dtype):
+def _nccl_unique_id():
     nccl = pytest.importorskip("cupy.cuda.nccl")
     if not getattr(nccl, "available", True):
         pytest.skip("this CuPy was built without NCCL")
-    from distributed_worker import run_cupy_rank
-
     try:
-        uid = nccl.get_unique_id()
+        return nccl.get_unique_id()
     except Exception as error:  # noqa: BLE001 - a CuPy without a loadable NCCL library
         pytest.skip(f"CuPy cannot use NCCL here: {error}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_COUNT < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_nccl_two_gpus_cupy_communicator(dtype):
+    from distributed_worker import run_cupy_rank
+
+    uid = _nccl_unique_id()
     _run_ranks(run_cupy_rank, 2, lambda rank: (rank, 2, uid, dtype))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_COUNT < 2, reason="needs two CUDA devices")
+def test_every_strategy_is_captured_by_a_torch_cuda_graph_and_replays_new_data():
+    pytest.importorskip("torch")
+    from distributed_worker import run_graph_rank
+
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    _run_ranks(run_graph_rank, 2, lambda rank: (rank, 2, init))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_COUNT < 2, reason="needs two CUDA devices")
+def test_every_strategy_is_captured_on_a_cupy_stream_and_replays_new_data():
+    from distributed_worker import run_cupy_graph_rank
+
+    uid = _nccl_unique_id()
+    _run_ranks(run_cupy_graph_rank, 2, lambda rank: (rank, 2, uid))
+
+
 @pytest.mark.parametrize(
-    "world, head_size, itemsize, expected",
+    "world, rows, shard_heads, expected",
     [
-        (2, 128, 2, "allgather"),
-        (4, 128, 2, "allgather"),
-        (8, 128, 2, "allreduce"),
-        (64, 128, 2, "allreduce"),
-        (2, 128, 4, "allgather"),
-        (4, 128, 4, "allreduce"),
+        (2, 32, False, "allgather"),  # decode: one collective beats two
+        (2, 4096 * 32, False, "allgather"),  # two ranks: the same bytes, fewer collectives
+        (8, 32, False, "allgather"),
+        (8, 4096 * 32, False, "allreduce"),  # many ranks, many rows: the gather's bytes grow with W
+        (64, 1024 * 32, False, "allreduce"),
+        (2, 32, True, "alltoall"),
+        (64, 4096 * 32, True, "alltoall"),  # fewer bytes and one collective, at every size
     ],
 )
-def test_auto_picks_the_strategy_that_moves_fewer_bytes(world, head_size, itemsize, expected):
-    assert cmd.choose_strategy(world, head_size, itemsize) == expected
+def test_auto_picks_the_strategy_the_cost_model_finds_fastest(world, rows, shard_heads, expected):
+    assert cmd.choose_strategy(world, 128, 2, shard_heads=shard_heads, rows=rows) == expected
 
 
 def test_bad_arguments_raise_before_any_collective():
@@ -91,3 +131,17 @@ def test_bad_arguments_raise_before_any_collective():
         cmd.merge_across_ranks(v, s)
     with pytest.raises(TypeError, match="^v: expected a torch tensor or a CuPy array"):
         cmd.merge_across_ranks(v.numpy(), s.numpy())
+    with pytest.raises(ValueError, match="^op: expected 'auto' or one of 'alltoall'"):
+        cmd.merge_across_ranks(v, s, op="allgather", shard_heads=True)
+    with pytest.raises(ValueError, match="^op: expected 'auto' or one of 'allgather'"):
+        cmd.merge_across_ranks(v, s, op="alltoall")
+    with pytest.raises(TypeError, match="^shard_heads: expected True or False"):
+        cmd.merge_across_ranks(v, s, shard_heads=1)
+
+
+def test_bad_shapes_raise_before_any_collective_in_a_group():
+    pytest.importorskip("torch")
+    from distributed_worker import run_bad_inputs_rank
+
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    _run_ranks(run_bad_inputs_rank, 2, lambda rank: (rank, 2, init))

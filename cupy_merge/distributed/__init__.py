@@ -1,40 +1,63 @@
-"""Merging attention states across ranks (context-parallel decode): one call, on real collectives.
+"""Merging attention states across ranks (decode context parallelism): one call, on real collectives.
 
 Every rank holds the attention state of the same queries over its own shard of
 the KV cache, ``v`` ``[num_tokens, num_heads, head_size]`` and ``s``
-``[num_heads, num_tokens]``, and receives the merge over all shards. Two
-strategies, both exact up to float32 rounding:
+``[num_heads, num_tokens]``, and receives the merge over all shards: of every
+head, or (``shard_heads=True``) of its own ``num_heads / world`` heads, the
+layout a tensor-parallel output projection reads next. Strategies (``W`` ranks,
+``b`` bytes in a row of values, per rank and row):
 
-* ``"allreduce"``: one small all-reduce (MAX of the LSEs), then one all-reduce
-  (SUM) of a float32 buffer ``[tokens, heads, head_size + 1]`` holding each
-  rank's rows scaled by ``exp(s - max)`` and those weights. Per rank it moves
-  about ``2 (W - 1) / W * 4 (head_size + 1)`` bytes per row, whatever the world
-  size ``W``.
-* ``"allgather"``: one all-gather of the states in their own dtype, then the
-  local one-pass N-way merge. Per rank it receives ``(W - 1) (head_size *
-  itemsize + 4)`` bytes per row: cheaper for few ranks, linear in ``W``.
+all heads
 
-``"auto"`` picks the one that moves fewer bytes (docs/PERF.md has the cost model
-and the measurements on two H200s).
+* ``"allgather"``: one all-gather of values and LSE packed in one buffer, then
+  the local N-way merge kernel: ``(W - 1) (b + 4)`` bytes received, one collective.
+* ``"allreduce"``: an all-gather of the LSEs, a kernel scaling this rank's values
+  by their final weights, one all-reduce (sum) of them in their own dtype, whose
+  result is the merge: ``4 (W - 1) + 2 b (W - 1) / W`` bytes, two collectives.
+
+heads sharded over the ranks
+
+* ``"alltoall"``: one all-to-all of values and LSE packed in one buffer (each
+  rank's chunk for each head group), then the local N-way merge kernel on the
+  received chunks in place: ``(b + 4) (W - 1) / W`` bytes, one collective.
+* ``"allgather_reducescatter"``: an all-gather of the LSEs, the scaling kernel,
+  a reduce-scatter (sum) over head groups (vLLM's ``cp_lse_ag_out_rs``):
+  ``4 (W - 1) + b (W - 1) / W`` bytes, two collectives.
+
+``"auto"`` picks by a cost model of collectives and bytes (:func:`choose_strategy`;
+docs/PERF.md has it beside measurements). The summing strategies add values in
+their own dtype (as vLLM does): for 16-bit values each rank's term is rounded
+once more than in the exchanging ones. Every rank must pass the same shapes and
+dtypes (not checked: that would take a collective; NCCL hangs or fails otherwise).
 
 Communicators: a ``torch.distributed`` process group (NCCL for CUDA tensors,
 gloo for CPU tensors) when ``v`` is a torch tensor; a
-``cupy.cuda.nccl.NcclCommunicator`` when ``v`` is a CuPy array. Collectives run
-where the backend runs them: torch's NCCL streams ordered after torch's current
-stream, or the CuPy ``stream`` given (default: the current one).
+``cupy.cuda.nccl.NcclCommunicator`` when ``v`` is a CuPy array. Collectives and
+kernels run on torch's current stream (NCCL's own streams ordered after it), or
+on the CuPy ``stream`` given (default: the current one); every buffer is
+allocated in the call, so ``torch.cuda.graph`` captures any strategy.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from .. import _checks
 from .._arrays import DeviceArray, Stream
+from . import _steps
 
 __all__ = ["STRATEGIES", "choose_strategy", "merge_across_ranks"]
 
-STRATEGIES = ("auto", "allreduce", "allgather")
+#: Strategies for results of all heads, and for head-sharded results.
+FULL_HEAD_STRATEGIES = ("allgather", "allreduce")
+SHARDED_STRATEGIES = ("alltoall", "allgather_reducescatter")
+STRATEGIES = ("auto", *FULL_HEAD_STRATEGIES, *SHARDED_STRATEGIES)
+
+#: The cost model's time per collective and per byte a rank sends: eager NCCL calls on two
+#: H200s over NVLink measured 60-80 us for a collective of a few kB and about 150 GB/s
+#: per rank for large ones (docs/PERF.md, distributed).
+COLLECTIVE_US = 60.0
+BYTES_PER_US = 150e3
 
 
 def merge_across_ranks(
@@ -43,34 +66,39 @@ def merge_across_ranks(
     group: Any = None,
     *,
     op: str = "auto",
+    shard_heads: bool = False,
     out: DeviceArray | None = None,
     out_lse: DeviceArray | None = None,
     lse_base: str | int = "e",
     stream: Stream = None,
 ) -> tuple[DeviceArray, DeviceArray]:
-    """Merge this rank's partial attention state with every other rank's; all ranks get the result.
+    """Merge this rank's partial attention state with every other rank's.
 
     Parameters
     ----------
     v : DeviceArray
         This rank's partial output, ``[num_tokens, num_heads, head_size]``, float32,
-        float16 or bfloat16: a torch tensor (CUDA, or CPU with gloo) or a CuPy array,
-        the same shape on every rank.
+        float16 or bfloat16, any strides: a torch tensor (CUDA, or CPU with gloo)
+        or a CuPy array, the same shape on every rank.
     s : DeviceArray
-        Its log-sum-exp, float32 ``[num_heads, num_tokens]``; a rank with an empty
-        shard passes ``-inf`` (or ``+inf``) and contributes nothing.
+        Its log-sum-exp, float32 ``[num_heads, num_tokens]``, any strides (a
+        token-major buffer as ``lse.T``); a rank with an empty shard passes
+        ``-inf`` (or ``+inf``) and contributes nothing.
     group : object, optional
         For torch tensors a process group (None: the default group); for CuPy
         arrays a ``cupy.cuda.nccl.NcclCommunicator``.
-    op : {"auto", "allreduce", "allgather"}
-        The strategy (see the module's description); ``"auto"`` picks the one
-        that moves fewer bytes.
+    op : {"auto", "allgather", "allreduce", "alltoall", "allgather_reducescatter"}
+        The strategy (see the module's description): the first two for all
+        heads, the last two with ``shard_heads=True``; ``"auto"`` picks by the cost model.
+    shard_heads : bool
+        Return only this rank's heads, ``rank * num_heads / W`` up to the next
+        rank's: values ``[num_tokens, num_heads / W, head_size]``, LSE
+        ``[num_heads / W, num_tokens]``. ``num_heads`` must divide by ``W``.
     out : DeviceArray, optional
-        Where to write the merged values, ``[num_tokens, num_heads, head_size]``
-        of ``v``'s dtype; allocated if omitted.
+        Where to write the merged values (the result's shape, ``v``'s dtype,
+        any strides); allocated if omitted.
     out_lse : DeviceArray, optional
-        Where to write the merged LSE, float32 ``[num_heads, num_tokens]``;
-        allocated if omitted.
+        Where to write the merged LSE, float32; allocated if omitted.
     lse_base : {"e", 2}
         Base of every LSE in and out.
     stream : Stream
@@ -83,6 +111,12 @@ def merge_across_ranks(
     s : DeviceArray
         Its log-sum-exp.
 
+    Raises
+    ------
+    ValueError
+        An unknown strategy or one of the other layout, heads that do not
+        divide among the ranks, or outputs of the wrong shape; before any collective.
+
     Examples
     --------
     One process stands for a whole group here; under ``torchrun`` every rank calls it alike.
@@ -94,34 +128,57 @@ def merge_across_ranks(
     >>> out, lse = merge_across_ranks(v, s)
     >>> bool(torch.equal(out, v)), bool(torch.equal(lse, s))
     (True, True)
+    >>> out, lse = merge_across_ranks(v, s, shard_heads=True)  # one rank holds every head
+    >>> tuple(out.shape)
+    (4, 2, 8)
     >>> dist.destroy_process_group()
     """
-    if op not in STRATEGIES:
-        raise ValueError(f"op: expected one of {', '.join(map(repr, STRATEGIES))}, got {op!r}")
+    shard_heads = _checks.flag(shard_heads, "shard_heads")
+    allowed = SHARDED_STRATEGIES if shard_heads else FULL_HEAD_STRATEGIES
+    if op != "auto" and op not in allowed:
+        raise ValueError(
+            f"op: expected 'auto' or one of {', '.join(map(repr, allowed))} with shard_heads={shard_heads}, "
+            f"got {op!r}"
+        )
     lse_base_2 = _checks.lse_base_flag(lse_base)
     comm, xp = _communicator(v, group, stream)
-    _num_tokens, _num_heads, head_size = _checks.check_rank_state(
+    num_tokens, num_heads, head_size = _checks.check_rank_state(
         tuple(v.shape), xp.dtype_name(v), tuple(s.shape), xp.dtype_name(s), xp.device_of(v), xp.device_of(s)
     )
-    for given, like, name in ((out, v, "out"), (out_lse, s, "out_lse")):
+    world = comm.world_size
+    if shard_heads and num_heads % world:
+        raise ValueError(
+            f"v: expected num_heads divisible by the {world} ranks to shard heads over them, got {num_heads}"
+        )
+    heads = num_heads // world if shard_heads else num_heads
+    results = (((num_tokens, heads, head_size), xp.dtype_name(v)), ((heads, num_tokens), "float32"))
+    for given, (shape, dtype), name in zip((out, out_lse), results, ("out", "out_lse")):
         if given is not None:
             _checks.check_rank_output(
-                name, (tuple(given.shape), xp.dtype_name(given), xp.device_of(given)),
-                (tuple(like.shape), xp.dtype_name(like), xp.device_of(like)),
-            )  # fmt: skip
+                name,
+                (tuple(given.shape), xp.dtype_name(given), xp.device_of(given)),
+                (shape, dtype, xp.device_of(v)),
+            )
+    if num_tokens * num_heads and head_size > 1 and xp.strides(v)[-1] != 1:
+        v = xp.contiguous(v)  # the kernels read a row's elements back to back
     if op == "auto":
-        op = choose_strategy(comm.world_size, head_size, xp.itemsize(v))
-    to_natural = math.log(2.0) if lse_base_2 else 1.0
+        op = choose_strategy(
+            world, head_size, xp.itemsize(v), shard_heads=shard_heads, rows=num_tokens * num_heads
+        )
+    shards = world if shard_heads else 1
     with xp.on_stream():
-        if op == "allreduce":
-            merged_v, merged_s = _merge_by_allreduce(comm, xp, v, s, to_natural)
-        else:
-            merged_v, merged_s = _merge_by_allgather(comm, xp, v, s, lse_base, to_natural)
-        return _deliver(xp, merged_v, merged_s, out, out_lse)
+        if op in ("allgather", "alltoall"):
+            return _merge_by_exchange(comm, xp, v, s, shards, out, out_lse, lse_base_2)
+        return _merge_by_sum(comm, xp, v, s, shards, out, out_lse, lse_base_2)
 
 
-def choose_strategy(world_size: int, head_size: int, itemsize: int) -> str:
-    """The strategy that moves fewer bytes per rank for one row: what ``op="auto"`` runs.
+def choose_strategy(
+    world_size: int, head_size: int, itemsize: int, *, shard_heads: bool = False, rows: int = 1
+) -> str:
+    """The strategy the cost model finds fastest: what ``op="auto"`` runs.
+
+    Each strategy costs ``COLLECTIVE_US`` per collective plus the bytes a rank
+    sends over ``BYTES_PER_US`` (see the module's description for the bytes).
 
     Parameters
     ----------
@@ -131,79 +188,83 @@ def choose_strategy(world_size: int, head_size: int, itemsize: int) -> str:
         Elements in a row of values.
     itemsize : int
         Bytes per value element (2 for float16 and bfloat16, 4 for float32).
+    shard_heads : bool
+        Choose among the head-sharded strategies.
+    rows : int
+        Tokens times heads of the merge.
 
     Returns
     -------
     str
-        ``"allgather"`` or ``"allreduce"``; ties go to ``"allgather"`` (one collective).
+        One of :data:`STRATEGIES` other than ``"auto"``; ties go to the one with fewer collectives.
 
     Examples
     --------
     >>> from cupy_merge.distributed import choose_strategy
-    >>> choose_strategy(2, 128, 2), choose_strategy(16, 128, 2)
+    >>> choose_strategy(2, 128, 2, rows=32), choose_strategy(8, 128, 2, rows=4096 * 32)
     ('allgather', 'allreduce')
+    >>> choose_strategy(8, 128, 2, shard_heads=True, rows=32)
+    'alltoall'
     """
-    gather = (world_size - 1) * (head_size * itemsize + 4)
-    reduce = 2 * (world_size - 1) / world_size * 4 * (head_size + 1) + 2 * (world_size - 1) / world_size * 4
-    return "allgather" if gather <= reduce else "allreduce"
+    costs = {
+        name: collectives * COLLECTIVE_US + rows * row_bytes / BYTES_PER_US
+        for name, (collectives, row_bytes) in strategy_costs(world_size, head_size * itemsize).items()
+        if (name in SHARDED_STRATEGIES) == shard_heads
+    }
+    return min(costs, key=lambda name: (costs[name], name not in ("allgather", "alltoall")))
 
 
-def _merge_by_allreduce(comm, xp, v, s, to_natural: float):
-    s = xp.empty_to_neg_inf(s) * to_natural
-    # A NaN LSE enters the maximum as +inf, so that its row ends NaN on every rank
-    # (a MAX reduction may otherwise drop NaN and read the row as empty).
-    lse_max = xp.contiguous(xp.where(xp.isnan(s), math.inf, s))
-    comm.all_reduce(lse_max, "max")
-    # exp(s - max) of a row empty on every rank would be exp(-inf + inf) = NaN: those weigh 0.
-    weight = xp.where(lse_max == -math.inf, 0.0, xp.exp(s - lse_max))  # [heads, tokens]
-    num_tokens, num_heads, head_size = v.shape
-    buffer = xp.empty_float32((num_tokens, num_heads, head_size + 1), like=v)
-    row_weight = xp.transpose(weight)[..., None]
-    # A state of weight zero contributes nothing, even if its values are NaN.
-    buffer[..., :head_size] = xp.where(row_weight == 0.0, 0.0, row_weight * xp.to_float32(v))
-    buffer[..., head_size] = xp.transpose(weight)
-    comm.all_reduce(buffer, "sum")
-    total = xp.transpose(buffer[..., head_size])  # [heads, tokens]
-    values = xp.where(buffer[..., head_size:] == 0.0, 0.0, buffer[..., :head_size] / buffer[..., head_size:])
-    merged_lse = xp.where(lse_max == -math.inf, -math.inf, lse_max + xp.log(total)) / to_natural
-    return xp.cast_like(values, v), merged_lse
+def strategy_costs(world_size: int, row_bytes: int) -> dict[str, tuple[int, float]]:
+    """Each strategy's collectives and the bytes a rank sends per row (ring algorithms)."""
+    w = world_size
+    return {
+        "allgather": (1, (w - 1) * (row_bytes + 4)),
+        "allreduce": (2, 4 * (w - 1) + 2 * row_bytes * (w - 1) / w),
+        "alltoall": (1, (row_bytes + 4) * (w - 1) / w),
+        "allgather_reducescatter": (2, 4 * (w - 1) + row_bytes * (w - 1) / w),
+    }
 
 
-def _merge_by_allgather(comm, xp, v, s, lse_base, to_natural: float):
-    world = comm.world_size
-    gathered_v = xp.empty_like_stacked(v, world)
-    gathered_s = xp.empty_like_stacked(s, world)
-    comm.all_gather(gathered_v, xp.contiguous(v))
-    comm.all_gather(gathered_s, xp.contiguous(s))
+def _merge_by_exchange(comm, xp, v, s, shards, out, out_lse, lse_base_2):
+    """All-gather (one chunk) or all-to-all (a chunk per rank) of packed states, then the local merge."""
+    packed, layout = _steps.pack_states(xp, v, s, shards)
+    received = xp.empty_bytes((comm.world_size, layout.chunk_bytes), like=v)
+    if shards == 1:
+        comm.all_gather(received, packed.reshape(-1))
+    else:
+        comm.all_to_all(received, packed)
+    values, lse = _steps.chunk_views(xp, received, layout, v.dtype)
     if xp.on_gpu(v):
         from ..merge_many import merge_states
 
-        return merge_states(gathered_v, gathered_s, lse_base=lse_base)
-    return _merge_stacked_states(xp, gathered_v, gathered_s, to_natural)
+        return merge_states(values, lse, out=out, out_lse=out_lse, lse_base=2 if lse_base_2 else "e")
+    return _deliver(xp, *_steps.merge_on_host(xp, values, lse, lse_base_2), out, out_lse)
 
 
-def _merge_stacked_states(xp, v, s, to_natural: float = 1.0):
-    """The N-way merge in plain torch operations, for devices the kernels do not run on (gloo's CPU).
-
-    ``v`` ``[states, tokens, heads, head_size]``, ``s`` ``[states, heads, tokens]``; same rules as the kernels.
-    """
-    s = xp.empty_to_neg_inf(s) * to_natural
-    lse_max = xp.amax(xp.where(xp.isnan(s), math.inf, s), 0)
-    weight = xp.where(lse_max == -math.inf, 0.0, xp.exp(s - lse_max))  # [states, heads, tokens]
-    total = xp.sum(weight, 0)
-    row_weight = xp.transpose(weight)[..., None]  # [states, tokens, heads, 1]
-    weighted = xp.sum(xp.where(row_weight == 0.0, 0.0, row_weight * xp.to_float32(v)), 0)
-    row_total = xp.transpose(total)[..., None]
-    values = xp.where(row_total == 0.0, 0.0, weighted / row_total)
-    merged_lse = xp.where(lse_max == -math.inf, -math.inf, lse_max + xp.log(total)) / to_natural
-    return xp.cast_like(values, v), merged_lse
+def _merge_by_sum(comm, xp, v, s, shards, out, out_lse, lse_base_2):
+    """All-gather the LSEs; scale this rank's values by their weights; sum them over ranks."""
+    num_tokens, num_heads, head_size = v.shape
+    heads = num_heads // shards
+    gathered = xp.empty_lse((comm.world_size, num_heads, num_tokens), like=v)
+    comm.all_gather(gathered, xp.contiguous(s))
+    merged_lse = out_lse if out_lse is not None else xp.empty_lse((heads, num_tokens), like=v)
+    scaled = _steps.scale_for_sum(xp, v, gathered, comm.rank, shards, merged_lse, lse_base_2)
+    if shards == 1:
+        comm.all_reduce(scaled)
+        merged = scaled[0]
+    else:
+        fits = out is not None and xp.is_contiguous(out)
+        merged = out if fits else xp.empty_values((num_tokens, heads, head_size), like=v)
+        comm.reduce_scatter(merged, scaled)
+    return _deliver(xp, merged, merged_lse, out, None)
 
 
 def _deliver(xp, merged_v, merged_s, out, out_lse):
-    if out is not None:
+    """The results, copied into the caller's outputs where given (and not already there)."""
+    if out is not None and merged_v is not out:
         xp.assign(out, merged_v)
         merged_v = out
-    if out_lse is not None:
+    if out_lse is not None and merged_s is not out_lse:
         xp.assign(out_lse, merged_s)
         merged_s = out_lse
     return merged_v, merged_s

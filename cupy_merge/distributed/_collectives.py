@@ -1,8 +1,10 @@
-"""Communicators and array operations behind :mod:`cupy_merge.distributed`, one pair per array kind.
+"""Communicators and array helpers behind :mod:`cupy_merge.distributed`, one pair per array kind.
 
-A communicator does two collectives (``all_reduce`` with "max" or "sum" on
-float32, ``all_gather`` into a stacked ``[world, ...]`` array); the ops object
-gives the few array operations the strategies need, with torch's or CuPy's names.
+A communicator does the four collectives the strategies use, each on
+contiguous arrays: ``all_gather`` (into a stacked ``[world, ...]`` array, any
+dtype as bytes), ``all_to_all`` (equal chunks, bytes), ``all_reduce`` and
+``reduce_scatter`` (sums in the array's dtype). The helpers allocate, view and
+point at arrays of one kind, so the strategies never name torch or CuPy.
 """
 
 from __future__ import annotations
@@ -31,22 +33,27 @@ class TorchGroup:
         self._dist = dist
         self._group = group
         self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self._gloo = dist.get_backend(group) == "gloo"
-
-    def all_reduce(self, tensor: Any, op: str) -> None:
-        # Elementwise results keep their input's strides, which may differ between ranks;
-        # a collective pairs elements by memory order, so it must see one layout everywhere.
-        dense = tensor.contiguous()
-        reduce_op = self._dist.ReduceOp.MAX if op == "max" else self._dist.ReduceOp.SUM
-        self._dist.all_reduce(dense, op=reduce_op, group=self._group)
-        if dense.data_ptr() != tensor.data_ptr():
-            tensor.copy_(dense)
 
     def all_gather(self, out: Any, tensor: Any) -> None:
         if self._gloo:  # gloo gathers into a list of tensors
             self._dist.all_gather(list(out.unbind(0)), tensor, group=self._group)
         else:
             self._dist.all_gather_into_tensor(out, tensor, group=self._group)
+
+    def all_to_all(self, out: Any, tensor: Any) -> None:
+        self._dist.all_to_all_single(out, tensor, group=self._group)
+
+    def all_reduce(self, tensor: Any) -> None:
+        self._dist.all_reduce(tensor, group=self._group)
+
+    def reduce_scatter(self, out: Any, tensor: Any) -> None:
+        # Flat, as gloo pairs the first dimensions; newer torch renames the call.
+        reduce_scatter = (
+            getattr(self._dist, "reduce_scatter_single", None) or self._dist.reduce_scatter_tensor
+        )
+        reduce_scatter(out.view(-1), tensor.view(-1), group=self._group)
 
 
 class CupyNccl:
@@ -63,28 +70,56 @@ class CupyNccl:
         self._comm = comm
         self._stream = stream
         self.world_size = comm.size()
+        self.rank = comm.rank_id()
 
     def _stream_ptr(self) -> int:
         import cupy
 
         return (self._stream or cupy.cuda.get_current_stream()).ptr
 
-    def all_reduce(self, array: Any, op: str) -> None:
-        if not array.flags.c_contiguous:
-            raise ValueError("all_reduce needs a C-contiguous array")  # the strategies allocate them so
+    def _type(self, array: Any) -> int:
         nccl = self._nccl
-        reduce_op = nccl.NCCL_MAX if op == "max" else nccl.NCCL_SUM
-        self._comm.allReduce(
-            array.data.ptr, array.data.ptr, array.size, nccl.NCCL_FLOAT32, reduce_op, self._stream_ptr()
-        )
+        types = {"float32": nccl.NCCL_FLOAT32, "float16": nccl.NCCL_FLOAT16, "uint8": nccl.NCCL_UINT8}
+        if hasattr(nccl, "NCCL_BFLOAT16"):
+            types["bfloat16"] = nccl.NCCL_BFLOAT16
+        if array.dtype.name not in types:
+            raise TypeError(
+                f"v: this CuPy's NCCL cannot sum {array.dtype.name}; use op='allgather' or 'alltoall'"
+            )
+        return types[array.dtype.name]
 
     def all_gather(self, out: Any, array: Any) -> None:
-        byte_type = getattr(self._nccl, "NCCL_UINT8", 1)  # ncclUint8: gathers any dtype as bytes
-        self._comm.allGather(array.data.ptr, out.data.ptr, array.nbytes, byte_type, self._stream_ptr())
+        self._comm.allGather(
+            array.data.ptr, out.data.ptr, array.nbytes, self._nccl.NCCL_UINT8, self._stream_ptr()
+        )
+
+    def all_to_all(self, out: Any, array: Any) -> None:
+        chunk = array.nbytes // self.world_size
+        stream = self._stream_ptr()
+        self._nccl.groupStart()
+        for peer in range(self.world_size):
+            self._comm.send(array.data.ptr + peer * chunk, chunk, self._nccl.NCCL_UINT8, peer, stream)
+            self._comm.recv(out.data.ptr + peer * chunk, chunk, self._nccl.NCCL_UINT8, peer, stream)
+        self._nccl.groupEnd()
+
+    def all_reduce(self, array: Any) -> None:
+        self._comm.allReduce(
+            array.data.ptr,
+            array.data.ptr,
+            array.size,
+            self._type(array),
+            self._nccl.NCCL_SUM,
+            self._stream_ptr(),
+        )
+
+    def reduce_scatter(self, out: Any, array: Any) -> None:
+        self._comm.reduceScatter(
+            array.data.ptr, out.data.ptr, out.size, self._type(array), self._nccl.NCCL_SUM, self._stream_ptr()
+        )
 
 
 class TorchOps:
-    """Array operations on torch tensors (CPU or CUDA)."""
+    """Allocation, views and pointers of torch tensors (CPU or CUDA); ``t`` is torch itself."""
 
     def __init__(self):
         import torch
@@ -103,44 +138,39 @@ class TorchOps:
     def device_of(self, x):
         return str(x.device)
 
+    def device_index(self, x):
+        return x.get_device()
+
+    def stream_pointer(self, device):
+        return self.t.cuda.current_stream(device).cuda_stream
+
     def itemsize(self, x):
         return x.element_size()
 
-    def empty_to_neg_inf(self, s):
-        return self.t.where(s == float("inf"), float("-inf"), s)
+    def strides(self, x):
+        return x.stride()
 
-    def isnan(self, x):
-        return self.t.isnan(x)
+    def pointer(self, x):
+        return x.data_ptr()
 
-    def where(self, condition, a, b):
-        return self.t.where(condition, a, b)
+    def is_contiguous(self, x):
+        return x.is_contiguous()
 
-    def exp(self, x):
-        return self.t.exp(x)
+    def empty_bytes(self, shape, like):
+        return self.t.empty(shape, dtype=self.t.uint8, device=like.device)
 
-    def log(self, x):
-        return self.t.log(x)
+    def empty_values(self, shape, like):
+        return self.t.empty(shape, dtype=like.dtype, device=like.device)
 
-    def amax(self, x, axis):
-        return self.t.amax(x, axis)
-
-    def sum(self, x, axis):
-        return self.t.sum(x, axis)
-
-    def transpose(self, x):
-        return x.transpose(-2, -1)
-
-    def to_float32(self, x):
-        return x.float()
-
-    def cast_like(self, x, like):
-        return x.to(like.dtype)
-
-    def empty_float32(self, shape, like):
+    def empty_lse(self, shape, like):
         return self.t.empty(shape, dtype=self.t.float32, device=like.device)
 
-    def empty_like_stacked(self, x, count):
-        return self.t.empty((count, *x.shape), dtype=x.dtype, device=x.device)
+    def strided_view(self, buffer, dtype, shape, strides, byte_offset):
+        """A view of the contiguous byte ``buffer``; strides in elements of ``dtype``."""
+        dtype = getattr(self.t, dtype) if isinstance(dtype, str) else dtype
+        typed = buffer.view(dtype)
+        itemsize = typed.element_size()
+        return typed.as_strided(shape, strides, typed.storage_offset() + byte_offset // itemsize)
 
     def contiguous(self, x):
         return x.contiguous()
@@ -150,7 +180,7 @@ class TorchOps:
 
 
 class CupyOps:
-    """Array operations on CuPy arrays, on ``stream`` when one is given."""
+    """Allocation, views and pointers of CuPy arrays, on ``stream`` when one is given."""
 
     def __init__(self, stream):
         import cupy
@@ -170,40 +200,44 @@ class CupyOps:
     def device_of(self, x):
         return x.device.id
 
+    def device_index(self, x):
+        return x.device.id
+
+    def stream_pointer(self, device):
+        return (self._stream or self.cp.cuda.get_current_stream(device)).ptr
+
     def itemsize(self, x):
         return x.itemsize
 
-    def empty_to_neg_inf(self, s):
-        return self.cp.where(s == self.cp.inf, -self.cp.inf, s)
+    def strides(self, x):
+        return tuple(stride // x.itemsize for stride in x.strides)
 
-    def isnan(self, x):
-        return self.cp.isnan(x)
+    def pointer(self, x):
+        return x.data.ptr
 
-    def where(self, condition, a, b):
-        return self.cp.where(condition, a, b).astype(self.cp.float32, copy=False)
+    def is_contiguous(self, x):
+        return x.flags.c_contiguous
 
-    def exp(self, x):
-        return self.cp.exp(x)
-
-    def log(self, x):
-        return self.cp.log(x)
-
-    def transpose(self, x):
-        return self.cp.swapaxes(x, -2, -1)
-
-    def to_float32(self, x):
-        return x.astype(self.cp.float32)
-
-    def cast_like(self, x, like):
-        return x.astype(like.dtype)
-
-    def empty_float32(self, shape, like):
+    def _empty(self, shape, dtype, like):
         with self.cp.cuda.Device(like.device.id):
-            return self.cp.empty(shape, dtype=self.cp.float32)
+            return self.cp.empty(shape, dtype=dtype)
 
-    def empty_like_stacked(self, x, count):
-        with self.cp.cuda.Device(x.device.id):
-            return self.cp.empty((count, *x.shape), dtype=x.dtype)
+    def empty_bytes(self, shape, like):
+        return self._empty(shape, self.cp.uint8, like)
+
+    def empty_values(self, shape, like):
+        return self._empty(shape, like.dtype, like)
+
+    def empty_lse(self, shape, like):
+        return self._empty(shape, self.cp.float32, like)
+
+    def strided_view(self, buffer, dtype, shape, strides, byte_offset):
+        from .._arrays import cupy_dtype
+
+        dtype = cupy_dtype(dtype) if isinstance(dtype, str) else self.cp.dtype(dtype)
+        return self.cp.ndarray(
+            shape, dtype, memptr=buffer.data + byte_offset, strides=tuple(s * dtype.itemsize for s in strides)
+        )
 
     def contiguous(self, x):
         return self.cp.ascontiguousarray(x)

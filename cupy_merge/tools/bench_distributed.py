@@ -1,27 +1,88 @@
-"""``torchrun --nproc-per-node=N -m cupy_merge.bench --distributed``: both cross-rank strategies, timed.
+"""``torchrun --nproc-per-node=N -m cupy_merge.bench --distributed``: the cross-rank strategies against bare collectives.
 
-For each case every rank holds a bfloat16 partial state of the same queries; the
-merged result is timed with CUDA events (median of 30 after 5 warm-ups, ranks
-aligned by a barrier before each). "bus GB/s" divides the bytes each rank sends
-by the strategy's cost model (``cost_bytes``) by the time, as nccl-tests does.
+Every rank holds a bfloat16 partial state of the same queries (32 heads of 128).
+For each strategy of :func:`cupy_merge.distributed.merge_across_ranks`, and for
+the bare NCCL collectives that move the same bytes (what no implementation of
+the strategy can beat), it prints microseconds per call, the slowest rank's:
+
+* *eager*: wall clock over 50 calls (after 5 warm-ups and a barrier), host time included;
+* *graph*: the same call captured once in a CUDA graph and replayed 50 times.
+
+Bare collectives: ``a2a`` one all-to-all of the packed values and LSE
+(``alltoall``'s bytes); ``ag_rs`` an all-gather of the LSEs then a
+reduce-scatter of the values (``allgather_reducescatter``'s); ``ag`` one
+all-gather of the packed states (``allgather``'s); ``ag_ar`` an all-gather of
+the LSEs then an all-reduce of the values (``allreduce``'s). The ratio columns
+divide each strategy's time by its bare collectives' (eager and graph).
 """
 
 from __future__ import annotations
 
 import os
-import statistics
+import time
+from typing import Any
 
-CASES = [(1, 32, 128), (64, 32, 128), (1024, 32, 128), (8192, 32, 128), (32768, 32, 128)]
+CASES = [(1, 32, 128), (16, 32, 128), (256, 32, 128), (1024, 32, 128), (4096, 32, 128)]
+REPEATS = 50
+#: Each strategy and the bare collectives that move its bytes.
+STRATEGIES = {
+    "alltoall": ("a2a", True),
+    "allgather_reducescatter": ("ag_rs", True),
+    "allgather": ("ag", False),
+    "allreduce": ("ag_ar", False),
+}
 
 
-def cost_bytes(
-    strategy: str, world: int, tokens: int, heads: int, head_size: int, itemsize: int = 2
-) -> float:
-    """Bytes each rank sends (ring algorithms) for one merge of ``tokens x heads`` rows."""
+def _per_call_us(torch: Any, dist: Any, call) -> float:
+    """Wall-clock microseconds per call, the slowest rank's."""
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(REPEATS):
+        call()
+    torch.cuda.synchronize()
+    elapsed = torch.tensor([(time.perf_counter() - start) / REPEATS * 1e6], device="cuda")
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed.item())
+
+
+def _replay(torch: Any, call):
+    """``call`` captured once in a CUDA graph: its replay."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
+def _bare_collectives(torch: Any, dist: Any, world: int, tokens: int, heads: int, head_size: int) -> dict:
+    """The collectives of each strategy on buffers of its sizes, and nothing else."""
+    from ..distributed._steps import chunk_layout
+
     rows = tokens * heads
-    if strategy == "allgather":
-        return (world - 1) * rows * (head_size * itemsize + 4)
-    return 2 * (world - 1) / world * rows * (4 * (head_size + 1) + 4)  # SUM buffer + the MAX of the LSEs
+    full = chunk_layout(tokens, heads, head_size, 2).chunk_bytes
+    shard = chunk_layout(tokens, heads // world, head_size, 2).chunk_bytes
+
+    def buffer(n, dtype=torch.uint8):
+        return torch.empty(n, dtype=dtype, device="cuda")
+
+    send_a2a, recv_a2a = buffer(world * shard), buffer(world * shard)
+    send_ag, recv_ag = buffer(full), buffer(world * full)
+    lse, lse_all = buffer(rows, torch.float32), buffer(world * rows, torch.float32)
+    values = buffer(rows * head_size, torch.bfloat16)
+    values_shard = buffer(rows * head_size // world, torch.bfloat16)
+    return {
+        "a2a": lambda: dist.all_to_all_single(recv_a2a, send_a2a),
+        "ag_rs": lambda: (
+            dist.all_gather_into_tensor(lse_all, lse),
+            dist.reduce_scatter_tensor(values_shard, values),
+        ),
+        "ag": lambda: dist.all_gather_into_tensor(recv_ag, send_ag),
+        "ag_ar": lambda: (dist.all_gather_into_tensor(lse_all, lse), dist.all_reduce(values)),
+    }
 
 
 def main() -> int:
@@ -38,40 +99,40 @@ def main() -> int:
     for tokens, heads, head_size in CASES:
         v = torch.randn(tokens, heads, head_size, device="cuda", dtype=torch.bfloat16)
         s = torch.randn(heads, tokens, device="cuda") * 3
-        row = {
-            "tokens": tokens,
-            "heads": heads,
-            "head_size": head_size,
-            "auto": choose_strategy(world, head_size, 2),
-        }
-        for strategy in ("allreduce", "allgather"):
-            times = []
-            for repeat in range(35):
-                dist.barrier()
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                merge_across_ranks(v, s, op=strategy)
-                stop.record()
-                stop.synchronize()
-                if repeat >= 5:
-                    times.append(start.elapsed_time(stop) * 1e3)
-            microseconds = statistics.median(times)
-            row[f"{strategy}_us"] = microseconds
-            row[f"{strategy}_busgbps"] = (
-                cost_bytes(strategy, world, tokens, heads, head_size) / microseconds / 1e3
-            )
+        bare = _bare_collectives(torch, dist, world, tokens, heads, head_size)
+        row: dict[str, Any] = {"tokens": tokens, "heads": heads, "head_size": head_size}
+        for name, call in bare.items():
+            row[f"{name}_us"] = _per_call_us(torch, dist, call)
+            row[f"{name}_graph_us"] = _per_call_us(torch, dist, _replay(torch, call))
+        for strategy, (collectives, sharded) in STRATEGIES.items():
+
+            def merge(strategy=strategy, sharded=sharded, v=v, s=s):
+                return merge_across_ranks(v, s, op=strategy, shard_heads=sharded)
+
+            row[f"{strategy}_us"] = _per_call_us(torch, dist, merge)
+            row[f"{strategy}_graph_us"] = _per_call_us(torch, dist, _replay(torch, merge))
+            row[f"{strategy}_ratio"] = row[f"{strategy}_us"] / row[f"{collectives}_us"]
+            row[f"{strategy}_graph_ratio"] = row[f"{strategy}_graph_us"] / row[f"{collectives}_graph_us"]
+        row["auto_full"] = choose_strategy(world, head_size, 2, rows=tokens * heads)
+        row["auto_sharded"] = choose_strategy(world, head_size, 2, shard_heads=True, rows=tokens * heads)
         rows.append(row)
     if rank == 0:
-        print(
-            f"world size {world}, bfloat16; times are medians of 30 (CUDA events), bus GB/s from the cost model"
-        )
-        print(
-            f"{'tokens':>6} {'heads':>5} {'dim':>4} {'allreduce us':>12} {'bus GB/s':>8} {'allgather us':>12} {'bus GB/s':>8} {'auto':>9}"
-        )
-        for r in rows:
-            print(
-                f"{r['tokens']:>6} {r['heads']:>5} {r['head_size']:>4} {r['allreduce_us']:>12.1f} "
-                f"{r['allreduce_busgbps']:>8.1f} {r['allgather_us']:>12.1f} {r['allgather_busgbps']:>8.1f} {r['auto']:>9}"
-            )
+        _print(world, rows)
     dist.destroy_process_group()
     return 0
+
+
+def _print(world: int, rows: list[dict]) -> None:
+    print(
+        f"world size {world}, bfloat16, us per call (slowest rank); ratio = strategy / its bare collectives"
+    )
+    header = f"{'tokens':>6} {'strategy':>24} {'eager':>8} {'bare':>8} {'ratio':>6} {'graph':>8} {'bare':>8} {'ratio':>6}"
+    print(header)
+    for row in rows:
+        for strategy, (collectives, _) in STRATEGIES.items():
+            print(
+                f"{row['tokens']:>6} {strategy:>24} {row[f'{strategy}_us']:>8.1f} {row[f'{collectives}_us']:>8.1f} "
+                f"{row[f'{strategy}_ratio']:>6.2f} {row[f'{strategy}_graph_us']:>8.1f} "
+                f"{row[f'{collectives}_graph_us']:>8.1f} {row[f'{strategy}_graph_ratio']:>6.2f}"
+            )
+        print(f"{'':>6} auto: all heads {row['auto_full']}, sharded {row['auto_sharded']}")

@@ -1,0 +1,201 @@
+"""The steps around a cross-rank merge's collectives, on the GPU as NVRTC kernels, elsewhere as torch operations.
+
+* *Pack*: this rank's values and LSE in one byte buffer of equal chunks, one
+  per head group (``cuda_src/merge_across_ranks.cu``, ``pack_states``), so one
+  all-gather or one all-to-all moves both; the receiver reads the chunks in
+  place through strided views (:func:`chunk_views`), with no unpacking.
+* *Scale*: with every rank's LSE at hand, this rank's values times their final
+  weight, so that a plain sum over ranks (all-reduce, reduce-scatter) is the
+  merge; and the merged LSE (``scale_for_sum``).
+
+The host versions (torch CPU tensors, as gloo runs them) follow the same rules
+and write the same layouts, so the CPU tests in CI check the strategies' logic.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+from .. import _catalogue as cat
+from .. import _kernels
+from .._plan import LaunchPlan
+
+#: Threads of a block of the rank kernels, over as many rows as a row's packs leave room for.
+ROW_THREADS = 128
+
+
+class ChunkLayout(NamedTuple):
+    """One head group's chunk of a packed buffer: values ``[tokens, heads, head_size]``, then the LSE."""
+
+    num_tokens: int
+    heads: int
+    head_size: int
+    itemsize: int
+    chunk_bytes: int
+    lse_offset: int
+
+
+def chunk_layout(num_tokens: int, heads: int, head_size: int, itemsize: int) -> ChunkLayout:
+    """Each part starts on 16 bytes, so every chunk's values and LSE are aligned views."""
+    lse_offset = _round_up(num_tokens * heads * head_size * itemsize, 16)
+    chunk_bytes = _round_up(lse_offset + num_tokens * heads * 4, 16)
+    return ChunkLayout(num_tokens, heads, head_size, itemsize, chunk_bytes, lse_offset)
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def chunk_views(xp: Any, buffer: Any, layout: ChunkLayout, dtype: Any) -> tuple[Any, Any]:
+    """``buffer`` (bytes ``[chunks, chunk_bytes]``) as values ``[chunks, tokens, heads, head_size]``
+    and LSE ``[chunks, heads, tokens]``, the stacked layout the N-way merge takes."""
+    chunks = buffer.shape[0]
+    tokens, heads, head_size, itemsize = layout.num_tokens, layout.heads, layout.head_size, layout.itemsize
+    values = xp.strided_view(
+        buffer, dtype, (chunks, tokens, heads, head_size),
+        (layout.chunk_bytes // itemsize, heads * head_size, head_size, 1), 0,
+    )  # fmt: skip
+    lse = xp.strided_view(
+        buffer, "float32", (chunks, heads, tokens), (layout.chunk_bytes // 4, tokens, 1), layout.lse_offset
+    )
+    return values, lse
+
+
+def pack_states(xp: Any, v: Any, s: Any, shards: int) -> tuple[Any, ChunkLayout]:
+    """``v`` ``[T, H, D]`` and ``s`` ``[H, T]`` (any strides) as ``shards`` chunks of ``H / shards`` heads."""
+    num_tokens, num_heads, head_size = v.shape
+    heads = num_heads // shards
+    layout = chunk_layout(num_tokens, heads, head_size, xp.itemsize(v))
+    packed = xp.empty_bytes((shards, layout.chunk_bytes), like=v)
+    if not xp.on_gpu(v):
+        values, lse = chunk_views(xp, packed, layout, v.dtype)
+        values.copy_(v.reshape(num_tokens, shards, heads, head_size).transpose(0, 1))
+        lse.copy_(s.reshape(shards, heads, num_tokens))
+        return packed, layout
+    if num_tokens * num_heads:
+        v_strides, s_strides = xp.strides(v), xp.strides(s)
+        args = {
+            "packed": xp.pointer(packed), "v": xp.pointer(v), "lse": xp.pointer(s),
+            "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size, "heads_per_shard": heads,
+            "chunk_bytes": layout.chunk_bytes, "lse_offset": layout.lse_offset,
+            "v_stride_token": v_strides[0], "v_stride_head": v_strides[1],
+            "lse_stride_head": s_strides[0], "lse_stride_token": s_strides[1],
+        }  # fmt: skip
+        _launch(xp, cat.RANK_PACK, xp.dtype_name(v), num_tokens * num_heads, head_size, args, v)
+    return packed, layout
+
+
+def scale_for_sum(
+    xp: Any, v: Any, gathered_s: Any, rank: int, shards: int, out_lse: Any, lse_base_2: int
+) -> Any:
+    """This rank's values times their final weights, ``[shards, T, H / shards, D]`` in ``v``'s dtype.
+
+    ``gathered_s``: every rank's LSE, ``[world, H, T]`` contiguous float32. The merged
+    LSE of head group ``rank`` (all heads when ``shards`` is 1) is written to ``out_lse``.
+    """
+    num_tokens, num_heads, head_size = v.shape
+    heads = num_heads // shards
+    first_head = rank * heads if shards > 1 else 0
+    scaled = xp.empty_values((shards, num_tokens, heads, head_size), like=v)
+    if not xp.on_gpu(v):
+        _scale_on_host(xp, v, gathered_s, rank, shards, scaled, out_lse, first_head, lse_base_2)
+        return scaled
+    if num_tokens * num_heads:
+        v_strides, lse_strides = xp.strides(v), xp.strides(out_lse)
+        args = {
+            "scaled": xp.pointer(scaled), "out_lse": xp.pointer(out_lse), "v": xp.pointer(v),
+            "gathered_lse": xp.pointer(gathered_s), "world": gathered_s.shape[0], "rank": rank,
+            "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size, "heads_per_shard": heads,
+            "chunk_elements": num_tokens * heads * head_size, "first_head": first_head,
+            "out_heads": out_lse.shape[0], "v_stride_token": v_strides[0], "v_stride_head": v_strides[1],
+            "out_lse_stride_head": lse_strides[0], "out_lse_stride_token": lse_strides[1],
+            "lse_base_2": lse_base_2,
+        }  # fmt: skip
+        _launch(xp, cat.RANK_SCALE, xp.dtype_name(v), num_tokens * num_heads, head_size, args, v)
+    return scaled
+
+
+def _scale_on_host(xp, v, gathered_s, rank, shards, scaled, out_lse, first_head, lse_base_2) -> None:
+    torch = xp.t
+    to_natural = math.log(2.0) if lse_base_2 else 1.0
+    s = torch.where(gathered_s == math.inf, -math.inf, gathered_s) * to_natural  # [W, H, T]
+    any_nan = torch.isnan(s).any(0)
+    lse_max = torch.where(torch.isnan(s), -math.inf, s).amax(0)
+    empty = lse_max == -math.inf
+    weights = torch.where(empty, 0.0, torch.exp(s - torch.where(empty, 0.0, lse_max)))
+    total = weights.sum(0)
+    own = torch.where(total == 0.0, 0.0, weights[rank] / torch.where(total == 0.0, 1.0, total))
+    own = torch.where(any_nan, math.nan, own)
+    row_weight = own.T[..., None]  # [T, H, 1]
+    # A state of weight zero adds exactly 0, even if its values are NaN (an empty shard).
+    values = torch.where(row_weight == 0.0, 0.0, row_weight * v.float()).to(v.dtype)
+    num_tokens, num_heads, head_size = v.shape
+    scaled.copy_(values.reshape(num_tokens, shards, num_heads // shards, head_size).transpose(0, 1))
+    merged = torch.where(empty, -math.inf, lse_max + torch.log(total)) / to_natural
+    merged = torch.where(any_nan, math.nan, merged)
+    out_lse.copy_(merged[first_head : first_head + out_lse.shape[0]])
+
+
+_prepared: dict[tuple, _kernels.PreparedLaunch] = {}
+_MAX_PREPARED = 1024
+
+
+def _launch(
+    xp: Any, family: cat.KernelFamily, dtype: str, rows: int, head_size: int, args: dict, like: Any
+) -> None:
+    """Rows of ``like``'s shape on its device and stream: 16-byte packs where every row is aligned.
+
+    Prepared launches are kept by their arguments: a serving loop's buffers come
+    back from the caching allocator at the same addresses, so a step's launches
+    are found again instead of packed anew.
+    """
+    itemsize = xp.itemsize(like)
+    vec = 16 // itemsize if _rows_aligned(xp, like, head_size, itemsize) else 1
+    packs = head_size // vec
+    threads_x = max(1, min(packs, ROW_THREADS))
+    rows_y = max(1, ROW_THREADS // threads_x)
+    device = xp.device_index(like)
+    values = family.arguments(**args)
+    key = (family.name, dtype, vec, values, device)
+    prepared = _prepared.get(key)
+    if prepared is None:
+        grid = (min(-(-rows // rows_y), 2**31 - 1), 1, 1)
+        module = cat.Module(cat.RANKS_SOURCE, dtype, dtype)
+        plan = LaunchPlan(
+            module, family.instance(T=dtype, VEC=vec), grid, (threads_x, rows_y, 1), values, 0, 0, 0
+        )
+        prepared = _kernels.prepare(plan, device)
+        if len(_prepared) >= _MAX_PREPARED:
+            _prepared.clear()
+        _prepared[key] = prepared
+    _kernels.launch(prepared, xp.stream_pointer(device))
+
+
+def _rows_aligned(xp: Any, v: Any, head_size: int, itemsize: int) -> bool:
+    """Whether every row of ``v`` (and of the buffers written, which start on 16 bytes) moves in 16-byte packs."""
+    strides = [stride for extent, stride in zip(v.shape[:-1], xp.strides(v)[:-1]) if extent > 1]
+    return (
+        (head_size * itemsize) % 16 == 0
+        and xp.pointer(v) % 16 == 0
+        and all((stride * itemsize) % 16 == 0 for stride in strides)
+    )
+
+
+def merge_on_host(xp: Any, v: Any, s: Any, lse_base_2: int) -> tuple[Any, Any]:
+    """The N-way merge in torch operations, where the kernels do not run (gloo's CPU tensors).
+
+    ``v`` ``[states, T, H, D]``, ``s`` ``[states, H, T]``; the kernels' rules for empty and NaN rows.
+    """
+    torch = xp.t
+    to_natural = math.log(2.0) if lse_base_2 else 1.0
+    s = torch.where(s == math.inf, -math.inf, s) * to_natural
+    lse_max = torch.where(torch.isnan(s), math.inf, s).amax(0)  # a NaN makes its row NaN
+    weight = torch.where(lse_max == -math.inf, 0.0, torch.exp(s - lse_max))  # [states, H, T]
+    total = weight.sum(0)
+    row_weight = weight.transpose(-2, -1)[..., None]  # [states, T, H, 1]
+    weighted = torch.where(row_weight == 0.0, 0.0, row_weight * v.float()).sum(0)
+    row_total = total.T[..., None]
+    values = torch.where(row_total == 0.0, 0.0, weighted / row_total)
+    merged_lse = torch.where(lse_max == -math.inf, -math.inf, lse_max + torch.log(total)) / to_natural
+    return values.to(v.dtype), merged_lse
