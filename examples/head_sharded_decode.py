@@ -4,8 +4,9 @@ Every rank attends over its shard of the KV cache for all heads, then
 ``merge_across_ranks(..., shard_heads=True)`` hands each rank the merged
 attention of its own heads: the input of a row-parallel output projection
 (each rank holds the rows of W_o for its heads; one all-reduce sums the parts).
-Checked against attention and projection on one GPU; the decode step is also
-captured in a CUDA graph and replayed.
+Checked against attention and projection on one GPU. (Every strategy is also
+captured by ``torch.cuda.graph`` in the tests; a process group whose NCCL work
+was captured may wait on it when destroyed, so graph users keep the group.)
 
     torchrun --nproc-per-node=2 examples/head_sharded_decode.py
 """
@@ -53,20 +54,8 @@ def decode_step():
 
 want = attention_with_lse(q, k_all, v_all)[0].reshape(tokens, -1) @ w_o  # one GPU, all heads
 got = decode_step()
-if rank == 0:
-    print("eager step done", flush=True)
 error = ((got.float() - want.float()).norm() / want.float().norm()).item()
-
-torch.cuda.synchronize()
-graph = torch.cuda.CUDAGraph()
-with torch.cuda.graph(graph):
-    replayed = decode_step()
-graph.replay()
-torch.cuda.synchronize()
-graph_error = ((replayed.float() - want.float()).norm() / want.float().norm()).item()
 if rank == 0:
-    print(
-        f"{world} ranks, heads {heads // world} per rank: relative error {error:.1e} eager, {graph_error:.1e} replayed"
-    )
-assert error < 3e-2 and graph_error < 3e-2
+    print(f"{world} ranks, {heads // world} heads per rank after the merge: relative error {error:.1e}")
+assert error < 3e-2
 dist.destroy_process_group()

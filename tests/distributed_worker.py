@@ -223,10 +223,20 @@ def run_graph_rank(rank: int, world: int, init_method: str, queue) -> None:
             )
             _compare(got_v.double().cpu().numpy(), got_s.double().cpu().numpy(), exact_v, exact_s, 1e-2,
                      f"graph {op} shard={shard_heads}", failures)  # fmt: skip
-        dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         failures.append(traceback.format_exc())
+    _report_and_exit(queue, rank, failures)
+
+
+def _report_and_exit(queue, rank: int, failures: list[str]) -> None:
+    """Report, then leave at once: tearing down a process group whose NCCL work was captured
+    in a CUDA graph can wait forever on that work (it never completes outside a replay)."""
+    import os
+
     queue.put((rank, failures))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
 
 
 def run_cupy_graph_rank(rank: int, world: int, uid, queue) -> None:

@@ -24,7 +24,8 @@ def _run_ranks(target, world: int, args_of_rank, timeout: float = 180) -> None:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     processes = [
-        context.Process(target=target, args=(*args_of_rank(rank), queue), daemon=True) for rank in range(world)
+        context.Process(target=target, args=(*args_of_rank(rank), queue), daemon=True)
+        for rank in range(world)
     ]
     for process in processes:
         process.start()

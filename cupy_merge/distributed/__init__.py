@@ -53,11 +53,11 @@ FULL_HEAD_STRATEGIES = ("allgather", "allreduce")
 SHARDED_STRATEGIES = ("alltoall", "allgather_reducescatter")
 STRATEGIES = ("auto", *FULL_HEAD_STRATEGIES, *SHARDED_STRATEGIES)
 
-#: The cost model's time per collective and per byte a rank sends: eager NCCL calls on two
-#: H200s over NVLink measured 60-80 us for a collective of a few kB and about 150 GB/s
-#: per rank for large ones (docs/PERF.md, distributed).
-COLLECTIVE_US = 60.0
-BYTES_PER_US = 150e3
+#: The cost model's time per collective and bytes per microsecond a rank sends: bare eager NCCL
+#: collectives on two H200s over NVLink took 22-40 us each at a few kB and moved 200-225 GB/s per
+#: rank at 17-34 MB (docs/PERF.md, session 5). Under CUDA graphs a collective costs 10-15 us.
+COLLECTIVE_US = 35.0
+BYTES_PER_US = 200e3
 
 
 def merge_across_ranks(
@@ -177,8 +177,10 @@ def choose_strategy(
 ) -> str:
     """The strategy the cost model finds fastest: what ``op="auto"`` runs.
 
-    Each strategy costs ``COLLECTIVE_US`` per collective plus the bytes a rank
-    sends over ``BYTES_PER_US`` (see the module's description for the bytes).
+    Each collective of a strategy costs the longer of ``COLLECTIVE_US`` (its
+    fixed cost, which a large transfer hides) and the bytes a rank sends over
+    ``BYTES_PER_US``; a strategy costs the sum over its collectives (see the
+    module's description for the bytes).
 
     Parameters
     ----------
@@ -207,21 +209,25 @@ def choose_strategy(
     'alltoall'
     """
     costs = {
-        name: collectives * COLLECTIVE_US + rows * row_bytes / BYTES_PER_US
-        for name, (collectives, row_bytes) in strategy_costs(world_size, head_size * itemsize).items()
+        name: (
+            sum(max(COLLECTIVE_US, rows * row_bytes / BYTES_PER_US) for row_bytes in collectives),
+            len(collectives),
+        )
+        for name, collectives in strategy_costs(world_size, head_size * itemsize).items()
         if (name in SHARDED_STRATEGIES) == shard_heads
     }
-    return min(costs, key=lambda name: (costs[name], name not in ("allgather", "alltoall")))
+    return min(costs, key=costs.__getitem__)
 
 
-def strategy_costs(world_size: int, row_bytes: int) -> dict[str, tuple[int, float]]:
-    """Each strategy's collectives and the bytes a rank sends per row (ring algorithms)."""
+def strategy_costs(world_size: int, row_bytes: int) -> dict[str, tuple[float, ...]]:
+    """Each strategy's collectives, as the bytes a rank sends per row in each (ring algorithms)."""
     w = world_size
+    lse_gather = 4.0 * (w - 1)
     return {
-        "allgather": (1, (w - 1) * (row_bytes + 4)),
-        "allreduce": (2, 4 * (w - 1) + 2 * row_bytes * (w - 1) / w),
-        "alltoall": (1, (row_bytes + 4) * (w - 1) / w),
-        "allgather_reducescatter": (2, 4 * (w - 1) + row_bytes * (w - 1) / w),
+        "allgather": ((w - 1) * (row_bytes + 4.0),),
+        "allreduce": (lse_gather, 2.0 * row_bytes * (w - 1) / w),
+        "alltoall": ((row_bytes + 4.0) * (w - 1) / w,),
+        "allgather_reducescatter": (lse_gather, row_bytes * (w - 1) / w),
     }
 
 
