@@ -14,7 +14,7 @@ IGNORED = {"ES01", "SA01"}
 
 def public_names() -> list[str]:
     names = [f"cupy_merge.{name}" for name in cupy_merge.__all__ if callable(getattr(cupy_merge, name))]
-    names.append("cupy_merge.BoundMerge.__call__")
+    names += ["cupy_merge.BoundMerge.__call__", "cupy_merge.distributed.BoundAcrossRanks.__call__"]
     names += [f"cupy_merge.reference.{name}" for name in reference.__all__]
     names += [
         f"cupy_merge.distributed.{name}"

@@ -117,14 +117,16 @@ class BoundMerge:
         return f"<BoundMerge of {self._adapter.kind} arrays on device {self._device}: launches {kernel}>"
 
 
-def bind(merge: Callable[..., Any], *args: Any, **kwargs: Any) -> BoundMerge:
+def bind(merge: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Check and plan ``merge(*args, **kwargs)`` without launching it; return it bound.
 
     Parameters
     ----------
     merge : callable
         One of :func:`merge_attn_states`, :func:`merge_state`, :func:`merge_state_in_place`,
-        :func:`merge_states` or :func:`merge_states_varlen`.
+        :func:`merge_states`, :func:`merge_states_varlen`, or
+        :func:`cupy_merge.distributed.merge_across_ranks` (which gives a
+        ``BoundAcrossRanks``: buffers, launches and the local merge prepared once).
     *args : DeviceArray
         That function's positional arguments.
     **kwargs : object
@@ -135,7 +137,7 @@ def bind(merge: Callable[..., Any], *args: Any, **kwargs: Any) -> BoundMerge:
 
     Returns
     -------
-    BoundMerge
+    BoundMerge or BoundAcrossRanks
         Call it (``bound()`` or ``bound(stream=s)``) to launch the merge.
 
     Raises
@@ -158,11 +160,17 @@ def bind(merge: Callable[..., Any], *args: Any, **kwargs: Any) -> BoundMerge:
     >>> float(out[0, 0, 0])  # the mean of 2 and 0, equal weights
     1.0
     """
-    if not any(merge is bindable for bindable in _BINDABLE):
-        names = ", ".join(f.__name__ for f in _BINDABLE)
+    from .distributed import merge_across_ranks
+
+    if not any(merge is bindable for bindable in (*_BINDABLE, merge_across_ranks)):
+        names = ", ".join(f.__name__ for f in (*_BINDABLE, merge_across_ranks))
         raise TypeError(f"merge: expected one of cupy_merge's merges ({names}), got {merge!r}")
     if "stream" in kwargs:
         raise TypeError("stream: pass it to each launch of the bound merge, not to bind")
+    if merge is merge_across_ranks:
+        from .distributed import _bound
+
+        return _bound.bind(*args, **kwargs)
     prepared = merge(*args, **kwargs, stream=_dispatch.PREPARE)
     _dispatch.check_values(*prepared)
     return BoundMerge(prepared)

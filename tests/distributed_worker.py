@@ -69,6 +69,7 @@ def run_rank(rank: int, world: int, init_method: str, backend: str, dtypes: list
         import torch
         import torch.distributed as dist
 
+        import cupy_merge as cm
         import cupy_merge.distributed as cmd
 
         device = f"cuda:{rank}" if backend == "nccl" else "cpu"
@@ -98,6 +99,13 @@ def run_rank(rank: int, world: int, init_method: str, backend: str, dtypes: list
                     want_v
                 ):
                     failures.append(f"{backend} {dtype} {op}: far from attention over the whole KV")
+                # Bound once, launched twice: the same outputs, the merge of the arrays' new contents.
+                bound = cm.bind(cmd.merge_across_ranks, tv, ts, op=op, shard_heads=shard_heads)
+                bound_v, bound_s = bound()
+                if bound()[0] is not bound_v:
+                    failures.append(f"{backend} {dtype} {op}: a bound merge returned new arrays")
+                _compare(bound_v.double().cpu().numpy(), bound_s.double().cpu().numpy(), exact_v, exact_s,
+                         tolerance, f"{backend} {dtype} {op} shard={shard_heads} bound", failures)  # fmt: skip
                 # The caller's buffers (a strided out), and base-2 LSEs.
                 out = torch.empty(TOKENS, exact_v.shape[1], 2 * HEAD_SIZE, dtype=torch_dtype, device=device)
                 out = out[..., :HEAD_SIZE]
@@ -198,6 +206,8 @@ def run_graph_rank(rank: int, world: int, init_method: str, queue) -> None:
 
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world)
+        import cupy_merge as cm
+
         (part_v, part_s), _, _ = _shard_states(rank, world, 7)
         tv = torch.tensor(part_v, dtype=torch.bfloat16, device="cuda")
         ts = torch.tensor(part_s, dtype=torch.float32, device="cuda")
@@ -223,6 +233,23 @@ def run_graph_rank(rank: int, world: int, init_method: str, queue) -> None:
             )
             _compare(got_v.double().cpu().numpy(), got_s.double().cpu().numpy(), exact_v, exact_s, 1e-2,
                      f"graph {op} shard={shard_heads}", failures)  # fmt: skip
+            # A bound merge, captured: its buffers were allocated outside the capture.
+            bound = cm.bind(cmd.merge_across_ranks, tv, ts, op=op, shard_heads=shard_heads)
+            bound()
+            torch.cuda.synchronize()
+            bound_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(bound_graph):
+                bound_v, bound_s = bound()
+            tv.copy_(torch.tensor(part_v, dtype=torch.bfloat16))
+            ts.copy_(torch.tensor(part_s))
+            bound_graph.replay()
+            torch.cuda.synchronize()
+            first_v, first_s, _ = _expected(
+                _shard_states(rank, world, 7)[1], lambda x: torch.tensor(x, dtype=torch.bfloat16).double().numpy(),
+                shard_heads, rank, world,
+            )  # fmt: skip
+            _compare(bound_v.double().cpu().numpy(), bound_s.double().cpu().numpy(), first_v, first_s, 1e-2,
+                     f"bound graph {op} shard={shard_heads}", failures)  # fmt: skip
     except Exception:  # noqa: BLE001
         failures.append(traceback.format_exc())
     _report_and_exit(queue, rank, failures)

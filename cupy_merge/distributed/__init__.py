@@ -40,13 +40,14 @@ allocated in the call, so ``torch.cuda.graph`` captures any strategy.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import _checks
 from .._arrays import DeviceArray, Stream
 from . import _steps
+from ._bound import BoundAcrossRanks
 
-__all__ = ["STRATEGIES", "choose_strategy", "merge_across_ranks"]
+__all__ = ["STRATEGIES", "BoundAcrossRanks", "choose_strategy", "merge_across_ranks"]
 
 #: Strategies for results of all heads, and for head-sharded results.
 FULL_HEAD_STRATEGIES = ("allgather", "allreduce")
@@ -133,6 +134,29 @@ def merge_across_ranks(
     (4, 2, 8)
     >>> dist.destroy_process_group()
     """
+    call = resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, stream)
+    with call.xp.on_stream():
+        if call.op in ("allgather", "alltoall"):
+            return _merge_by_exchange(call)
+        return _merge_by_sum(call)
+
+
+class CrossRankCall(NamedTuple):
+    """A checked cross-rank merge: its communicator, array helpers, arrays and strategy."""
+
+    comm: Any
+    xp: Any
+    v: Any
+    s: Any
+    op: str
+    shards: int  # head groups of the result's exchange or sum: the world size if heads are sharded, else 1
+    out: Any
+    out_lse: Any
+    lse_base_2: int
+
+
+def resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, stream) -> CrossRankCall:
+    """Every check of :func:`merge_across_ranks`, before any collective; ``"auto"`` resolved."""
     shard_heads = _checks.flag(shard_heads, "shard_heads")
     allowed = SHARDED_STRATEGIES if shard_heads else FULL_HEAD_STRATEGIES
     if op != "auto" and op not in allowed:
@@ -165,11 +189,7 @@ def merge_across_ranks(
         op = choose_strategy(
             world, head_size, xp.itemsize(v), shard_heads=shard_heads, rows=num_tokens * num_heads
         )
-    shards = world if shard_heads else 1
-    with xp.on_stream():
-        if op in ("allgather", "alltoall"):
-            return _merge_by_exchange(comm, xp, v, s, shards, out, out_lse, lse_base_2)
-        return _merge_by_sum(comm, xp, v, s, shards, out, out_lse, lse_base_2)
+    return CrossRankCall(comm, xp, v, s, op, world if shard_heads else 1, out, out_lse, lse_base_2)
 
 
 def choose_strategy(
@@ -231,38 +251,57 @@ def strategy_costs(world_size: int, row_bytes: int) -> dict[str, tuple[float, ..
     }
 
 
-def _merge_by_exchange(comm, xp, v, s, shards, out, out_lse, lse_base_2):
+def _merge_by_exchange(call: CrossRankCall):
     """All-gather (one chunk) or all-to-all (a chunk per rank) of packed states, then the local merge."""
-    packed, layout = _steps.pack_states(xp, v, s, shards)
+    comm, xp, v = call.comm, call.xp, call.v
+    packed, layout = _steps.pack_buffer(xp, v, call.shards)
+    _steps.pack_states(xp, v, call.s, packed, layout)
     received = xp.empty_bytes((comm.world_size, layout.chunk_bytes), like=v)
-    if shards == 1:
-        comm.all_gather(received, packed.reshape(-1))
-    else:
-        comm.all_to_all(received, packed)
+    exchange(comm, received, packed)
     values, lse = _steps.chunk_views(xp, received, layout, v.dtype)
     if xp.on_gpu(v):
         from ..merge_many import merge_states
 
-        return merge_states(values, lse, out=out, out_lse=out_lse, lse_base=2 if lse_base_2 else "e")
-    return _deliver(xp, *_steps.merge_on_host(xp, values, lse, lse_base_2), out, out_lse)
+        return merge_states(
+            values, lse, out=call.out, out_lse=call.out_lse, lse_base=2 if call.lse_base_2 else "e"
+        )
+    merged = _steps.merge_on_host(xp, values, lse, call.lse_base_2)
+    return _deliver(xp, *merged, call.out, call.out_lse)
 
 
-def _merge_by_sum(comm, xp, v, s, shards, out, out_lse, lse_base_2):
+def exchange(comm: Any, received: Any, packed: Any) -> None:
+    """One chunk from every rank (all-gather), or each rank's chunk for this one (all-to-all)."""
+    if packed.shape[0] == 1:
+        comm.all_gather(received, packed.reshape(-1))
+    else:
+        comm.all_to_all(received, packed)
+
+
+def _merge_by_sum(call: CrossRankCall):
     """All-gather the LSEs; scale this rank's values by their weights; sum them over ranks."""
+    comm, xp, v, shards, out = call.comm, call.xp, call.v, call.shards, call.out
     num_tokens, num_heads, head_size = v.shape
     heads = num_heads // shards
     gathered = xp.empty_lse((comm.world_size, num_heads, num_tokens), like=v)
-    comm.all_gather(gathered, xp.contiguous(s))
-    merged_lse = out_lse if out_lse is not None else xp.empty_lse((heads, num_tokens), like=v)
-    scaled = _steps.scale_for_sum(xp, v, gathered, comm.rank, shards, merged_lse, lse_base_2)
-    if shards == 1:
-        comm.all_reduce(scaled)
-        merged = scaled[0]
-    else:
-        fits = out is not None and xp.is_contiguous(out)
-        merged = out if fits else xp.empty_values((num_tokens, heads, head_size), like=v)
-        comm.reduce_scatter(merged, scaled)
+    comm.all_gather(gathered, xp.contiguous(call.s))
+    merged_lse = call.out_lse if call.out_lse is not None else xp.empty_lse((heads, num_tokens), like=v)
+    scaled = xp.empty_values((shards, num_tokens, heads, head_size), like=v)
+    _steps.scale_for_sum(xp, v, gathered, comm.rank, scaled, merged_lse, call.lse_base_2)
+    merged = sum_over_ranks(comm, xp, scaled, out)
     return _deliver(xp, merged, merged_lse, out, None)
+
+
+def sum_over_ranks(comm: Any, xp: Any, scaled: Any, out: Any) -> Any:
+    """The sum of every rank's ``scaled`` ``[shards, T, heads, D]``: all of it (all-reduce, in place)
+    for one shard, this rank's chunk (reduce-scatter, into ``out`` when it is contiguous) for many."""
+    if scaled.shape[0] == 1:
+        comm.all_reduce(scaled)
+        return scaled[0]
+    merged = (
+        out if out is not None and xp.is_contiguous(out) else xp.empty_values(scaled.shape[1:], like=scaled)
+    )
+    comm.reduce_scatter(merged, scaled)
+    return merged
 
 
 def _deliver(xp, merged_v, merged_s, out, out_lse):

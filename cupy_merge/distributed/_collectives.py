@@ -129,6 +129,14 @@ class TorchOps:
     def on_stream(self):
         return contextlib.nullcontext()
 
+    def stream_context(self, stream):
+        """``stream`` (a torch stream or a raw pointer) made current."""
+        if not isinstance(stream, self.t.cuda.Stream):
+            from .._arrays import stream_pointer
+
+            stream = self.t.cuda.ExternalStream(stream_pointer(stream))
+        return self.t.cuda.stream(stream)
+
     def on_gpu(self, x):
         return x.is_cuda
 
@@ -190,6 +198,14 @@ class CupyOps:
 
     def on_stream(self):
         return self._stream if self._stream is not None else contextlib.nullcontext()
+
+    def stream_context(self, stream):
+        """``stream`` (a CuPy stream or a raw pointer) made current."""
+        if isinstance(stream, self.cp.cuda.Stream):
+            return stream
+        from .._arrays import stream_pointer
+
+        return self.cp.cuda.ExternalStream(stream_pointer(stream))
 
     def on_gpu(self, x):
         return True

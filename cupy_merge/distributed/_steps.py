@@ -62,62 +62,82 @@ def chunk_views(xp: Any, buffer: Any, layout: ChunkLayout, dtype: Any) -> tuple[
     return values, lse
 
 
-def pack_states(xp: Any, v: Any, s: Any, shards: int) -> tuple[Any, ChunkLayout]:
-    """``v`` ``[T, H, D]`` and ``s`` ``[H, T]`` (any strides) as ``shards`` chunks of ``H / shards`` heads."""
+def pack_buffer(xp: Any, v: Any, shards: int) -> tuple[Any, ChunkLayout]:
+    """A byte buffer for ``v``'s state as ``shards`` chunks, ``[shards, chunk_bytes]``, and its layout."""
     num_tokens, num_heads, head_size = v.shape
-    heads = num_heads // shards
-    layout = chunk_layout(num_tokens, heads, head_size, xp.itemsize(v))
-    packed = xp.empty_bytes((shards, layout.chunk_bytes), like=v)
-    if not xp.on_gpu(v):
-        values, lse = chunk_views(xp, packed, layout, v.dtype)
-        values.copy_(v.reshape(num_tokens, shards, heads, head_size).transpose(0, 1))
-        lse.copy_(s.reshape(shards, heads, num_tokens))
-        return packed, layout
-    if num_tokens * num_heads:
-        v_strides, s_strides = xp.strides(v), xp.strides(s)
-        args = {
-            "packed": xp.pointer(packed), "v": xp.pointer(v), "lse": xp.pointer(s),
-            "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size, "heads_per_shard": heads,
-            "chunk_bytes": layout.chunk_bytes, "lse_offset": layout.lse_offset,
-            "v_stride_token": v_strides[0], "v_stride_head": v_strides[1],
-            "lse_stride_head": s_strides[0], "lse_stride_token": s_strides[1],
-        }  # fmt: skip
-        _launch(xp, cat.RANK_PACK, xp.dtype_name(v), num_tokens * num_heads, head_size, args, v)
-    return packed, layout
+    layout = chunk_layout(num_tokens, num_heads // shards, head_size, xp.itemsize(v))
+    return xp.empty_bytes((shards, layout.chunk_bytes), like=v), layout
+
+
+def pack_states(xp: Any, v: Any, s: Any, packed: Any, layout: ChunkLayout) -> None:
+    """``v`` ``[T, H, D]`` and ``s`` ``[H, T]`` (any strides) into ``packed``'s chunks of ``H / chunks`` heads."""
+    if xp.on_gpu(v):
+        launch(xp, prepare_pack(xp, v, s, packed, layout))
+        return
+    num_tokens, num_heads, head_size = v.shape
+    shards = packed.shape[0]
+    values, lse = chunk_views(xp, packed, layout, v.dtype)
+    values.copy_(v.reshape(num_tokens, shards, num_heads // shards, head_size).transpose(0, 1))
+    lse.copy_(s.reshape(shards, num_heads // shards, num_tokens))
+
+
+def prepare_pack(xp: Any, v: Any, s: Any, packed: Any, layout: ChunkLayout) -> _kernels.PreparedLaunch | None:
+    """The packing kernel's launch for these arrays (None: nothing to pack)."""
+    num_tokens, num_heads, head_size = v.shape
+    if num_tokens * num_heads == 0:
+        return None
+    v_strides, s_strides = xp.strides(v), xp.strides(s)
+    args = {
+        "packed": xp.pointer(packed), "v": xp.pointer(v), "lse": xp.pointer(s),
+        "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size,
+        "heads_per_shard": num_heads // packed.shape[0],
+        "chunk_bytes": layout.chunk_bytes, "lse_offset": layout.lse_offset,
+        "v_stride_token": v_strides[0], "v_stride_head": v_strides[1],
+        "lse_stride_head": s_strides[0], "lse_stride_token": s_strides[1],
+    }  # fmt: skip
+    return _prepare(xp, cat.RANK_PACK, num_tokens * num_heads, head_size, args, v)
 
 
 def scale_for_sum(
-    xp: Any, v: Any, gathered_s: Any, rank: int, shards: int, out_lse: Any, lse_base_2: int
-) -> Any:
-    """This rank's values times their final weights, ``[shards, T, H / shards, D]`` in ``v``'s dtype.
+    xp: Any, v: Any, gathered_s: Any, rank: int, scaled: Any, out_lse: Any, lse_base_2: int
+) -> None:
+    """This rank's values times their final weights into ``scaled`` ``[shards, T, H / shards, D]``.
 
     ``gathered_s``: every rank's LSE, ``[world, H, T]`` contiguous float32. The merged
     LSE of head group ``rank`` (all heads when ``shards`` is 1) is written to ``out_lse``.
     """
+    if xp.on_gpu(v):
+        launch(xp, prepare_scale(xp, v, gathered_s, rank, scaled, out_lse, lse_base_2))
+    else:
+        _scale_on_host(xp, v, gathered_s, rank, scaled, out_lse, lse_base_2)
+
+
+def prepare_scale(
+    xp: Any, v: Any, gathered_s: Any, rank: int, scaled: Any, out_lse: Any, lse_base_2: int
+) -> _kernels.PreparedLaunch | None:
+    """The scaling kernel's launch for these arrays (None: nothing to scale)."""
     num_tokens, num_heads, head_size = v.shape
+    if num_tokens * num_heads == 0:
+        return None
+    shards = scaled.shape[0]
     heads = num_heads // shards
-    first_head = rank * heads if shards > 1 else 0
-    scaled = xp.empty_values((shards, num_tokens, heads, head_size), like=v)
-    if not xp.on_gpu(v):
-        _scale_on_host(xp, v, gathered_s, rank, shards, scaled, out_lse, first_head, lse_base_2)
-        return scaled
-    if num_tokens * num_heads:
-        v_strides, lse_strides = xp.strides(v), xp.strides(out_lse)
-        args = {
-            "scaled": xp.pointer(scaled), "out_lse": xp.pointer(out_lse), "v": xp.pointer(v),
-            "gathered_lse": xp.pointer(gathered_s), "world": gathered_s.shape[0], "rank": rank,
-            "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size, "heads_per_shard": heads,
-            "chunk_elements": num_tokens * heads * head_size, "first_head": first_head,
-            "out_heads": out_lse.shape[0], "v_stride_token": v_strides[0], "v_stride_head": v_strides[1],
-            "out_lse_stride_head": lse_strides[0], "out_lse_stride_token": lse_strides[1],
-            "lse_base_2": lse_base_2,
-        }  # fmt: skip
-        _launch(xp, cat.RANK_SCALE, xp.dtype_name(v), num_tokens * num_heads, head_size, args, v)
-    return scaled
+    v_strides, lse_strides = xp.strides(v), xp.strides(out_lse)
+    args = {
+        "scaled": xp.pointer(scaled), "out_lse": xp.pointer(out_lse), "v": xp.pointer(v),
+        "gathered_lse": xp.pointer(gathered_s), "world": gathered_s.shape[0], "rank": rank,
+        "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size, "heads_per_shard": heads,
+        "chunk_elements": num_tokens * heads * head_size, "first_head": rank * heads if shards > 1 else 0,
+        "out_heads": out_lse.shape[0], "v_stride_token": v_strides[0], "v_stride_head": v_strides[1],
+        "out_lse_stride_head": lse_strides[0], "out_lse_stride_token": lse_strides[1],
+        "lse_base_2": lse_base_2,
+    }  # fmt: skip
+    return _prepare(xp, cat.RANK_SCALE, num_tokens * num_heads, head_size, args, v)
 
 
-def _scale_on_host(xp, v, gathered_s, rank, shards, scaled, out_lse, first_head, lse_base_2) -> None:
+def _scale_on_host(xp, v, gathered_s, rank, scaled, out_lse, lse_base_2) -> None:
     torch = xp.t
+    shards = scaled.shape[0]
+    first_head = rank * (v.shape[1] // shards) if shards > 1 else 0
     to_natural = math.log(2.0) if lse_base_2 else 1.0
     s = torch.where(gathered_s == math.inf, -math.inf, gathered_s) * to_natural  # [W, H, T]
     any_nan = torch.isnan(s).any(0)
@@ -141,25 +161,24 @@ _prepared: dict[tuple, _kernels.PreparedLaunch] = {}
 _MAX_PREPARED = 1024
 
 
-def _launch(
-    xp: Any, family: cat.KernelFamily, dtype: str, rows: int, head_size: int, args: dict, like: Any
-) -> None:
-    """Rows of ``like``'s shape on its device and stream: 16-byte packs where every row is aligned.
+def _prepare(
+    xp: Any, family: cat.KernelFamily, rows: int, head_size: int, args: dict, like: Any
+) -> _kernels.PreparedLaunch:
+    """Rows of ``like``'s shape on its device: 16-byte packs where every row is aligned.
 
     Prepared launches are kept by their arguments: a serving loop's buffers come
     back from the caching allocator at the same addresses, so a step's launches
     are found again instead of packed anew.
     """
-    itemsize = xp.itemsize(like)
+    dtype, itemsize = xp.dtype_name(like), xp.itemsize(like)
     vec = 16 // itemsize if _rows_aligned(xp, like, head_size, itemsize) else 1
-    packs = head_size // vec
-    threads_x = max(1, min(packs, ROW_THREADS))
-    rows_y = max(1, ROW_THREADS // threads_x)
     device = xp.device_index(like)
     values = family.arguments(**args)
     key = (family.name, dtype, vec, values, device)
     prepared = _prepared.get(key)
     if prepared is None:
+        threads_x = max(1, min(head_size // vec, ROW_THREADS))
+        rows_y = max(1, ROW_THREADS // threads_x)
         grid = (min(-(-rows // rows_y), 2**31 - 1), 1, 1)
         module = cat.Module(cat.RANKS_SOURCE, dtype, dtype)
         plan = LaunchPlan(
@@ -169,7 +188,13 @@ def _launch(
         if len(_prepared) >= _MAX_PREPARED:
             _prepared.clear()
         _prepared[key] = prepared
-    _kernels.launch(prepared, xp.stream_pointer(device))
+    return prepared
+
+
+def launch(xp: Any, prepared: _kernels.PreparedLaunch | None) -> None:
+    """A prepared rank kernel on the current stream of ``xp``'s kind (CuPy: its given stream)."""
+    if prepared is not None:
+        _kernels.launch(prepared, xp.stream_pointer(prepared.device))
 
 
 def _rows_aligned(xp: Any, v: Any, head_size: int, itemsize: int) -> bool:

@@ -6,7 +6,9 @@ the bare NCCL collectives that move the same bytes (what no implementation of
 the strategy can beat), it prints microseconds per call, the slowest rank's:
 
 * *eager*: wall clock over 50 calls (after 5 warm-ups and a barrier), host time included;
-* *graph*: the same call captured once in a CUDA graph and replayed 50 times.
+* *bound*: the same, launching a merge bound once with ``cupy_merge.bind`` (buffers,
+  kernel launches and the local merge prepared once);
+* *graph*: the eager call captured once in a CUDA graph and replayed 50 times.
 
 Bare collectives: ``a2a`` one all-to-all of the packed values and LSE
 (``alltoall``'s bytes); ``ag_rs`` an all-gather of the LSEs then a
@@ -89,6 +91,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
+    from .. import bind
     from ..distributed import choose_strategy, merge_across_ranks
 
     rank = int(os.environ.get("RANK", "0"))
@@ -110,8 +113,11 @@ def main() -> int:
                 return merge_across_ranks(v, s, op=strategy, shard_heads=sharded)
 
             row[f"{strategy}_us"] = _per_call_us(torch, dist, merge)
+            bound = bind(merge_across_ranks, v, s, op=strategy, shard_heads=sharded)
+            row[f"{strategy}_bound_us"] = _per_call_us(torch, dist, bound)
             row[f"{strategy}_graph_us"] = _per_call_us(torch, dist, _replay(torch, merge))
             row[f"{strategy}_ratio"] = row[f"{strategy}_us"] / row[f"{collectives}_us"]
+            row[f"{strategy}_bound_ratio"] = row[f"{strategy}_bound_us"] / row[f"{collectives}_us"]
             row[f"{strategy}_graph_ratio"] = row[f"{strategy}_graph_us"] / row[f"{collectives}_graph_us"]
         row["auto_full"] = choose_strategy(world, head_size, 2, rows=tokens * heads)
         row["auto_sharded"] = choose_strategy(world, head_size, 2, shard_heads=True, rows=tokens * heads)
@@ -126,13 +132,17 @@ def _print(world: int, rows: list[dict]) -> None:
     print(
         f"world size {world}, bfloat16, us per call (slowest rank); ratio = strategy / its bare collectives"
     )
-    header = f"{'tokens':>6} {'strategy':>24} {'eager':>8} {'bare':>8} {'ratio':>6} {'graph':>8} {'bare':>8} {'ratio':>6}"
+    header = (
+        f"{'tokens':>6} {'strategy':>24} {'eager':>8} {'bound':>8} {'bare':>8} {'ratio':>6} {'bound':>6} "
+        f"{'graph':>8} {'bare':>8} {'ratio':>6}"
+    )
     print(header)
     for row in rows:
         for strategy, (collectives, _) in STRATEGIES.items():
             print(
-                f"{row['tokens']:>6} {strategy:>24} {row[f'{strategy}_us']:>8.1f} {row[f'{collectives}_us']:>8.1f} "
-                f"{row[f'{strategy}_ratio']:>6.2f} {row[f'{strategy}_graph_us']:>8.1f} "
+                f"{row['tokens']:>6} {strategy:>24} {row[f'{strategy}_us']:>8.1f} {row[f'{strategy}_bound_us']:>8.1f} "
+                f"{row[f'{collectives}_us']:>8.1f} {row[f'{strategy}_ratio']:>6.2f} {row[f'{strategy}_bound_ratio']:>6.2f} "
+                f"{row[f'{strategy}_graph_us']:>8.1f} "
                 f"{row[f'{collectives}_graph_us']:>8.1f} {row[f'{strategy}_graph_ratio']:>6.2f}"
             )
         print(f"{'':>6} auto: all heads {row['auto_full']}, sharded {row['auto_sharded']}")
