@@ -52,7 +52,7 @@ class Memory:
             self.writes[(name, offset + k)] += 1
 
     def expect_each_output_element_written_once(self) -> None:
-        for name in ("out", "out_lse"):
+        for name in ("out", "out_lse", "scales"):
             if self.views.get(name) is None:
                 continue
             written = {offset for (array, offset) in self.writes if array == name}
@@ -82,6 +82,19 @@ def _packed_position(a: dict, p: int) -> tuple[int, int, int]:
     return token, within, head
 
 
+def _group_scale(plan, memory: Memory, a: dict, x: int, token: int, within: int, partials: int = 0) -> None:
+    """A grouped FP8 plan: blocks hold whole groups, the group's shared word lies in the launch's
+    shared memory, and the group's first thread writes its scale."""
+    group = a["packs_per_group"]
+    assert plan.block[0] % group == 0, "a group would straddle two blocks"
+    slot = _divide(x, a["group_multiplier"], a["group_shift"])
+    assert slot == x // group and partials + 4 * (slot + 1) <= plan.shared_bytes
+    if x == slot * group:
+        index = _divide(within, a["group_multiplier"], a["group_shift"])
+        assert index == within // group
+        memory.write("scales", token * a["group_stride_token"] + index * a["group_stride_group"])
+
+
 def _threads(plan):
     (gx, _, _), (bx, by, bz) = plan.grid, plan.block
     for block in range(gx):
@@ -105,6 +118,8 @@ def replay_two(plan, memory: Memory) -> None:
             memory.write("out", (token * a["out_stride_token"] + within) * vec, vec)
             if a["out_lse"] and within == head * a["packs_per_row"]:
                 memory.write("out_lse", head * a["out_lse_stride_head"] + token * a["out_lse_stride_token"])
+            if template["GROUPED"] == "true":
+                _group_scale(plan, memory, a, x, token, within)
         return
     rows = int(template["ROWS"])
     tokens, heads, head_size = a["num_tokens"], a["num_heads"], a["head_size"]
@@ -167,6 +182,9 @@ def replay_many(plan, memory: Memory, indptr: list[int] | None) -> None:
                     memory.write(
                         "out_lse", head * a["out_lse_stride_head"] + token * a["out_lse_stride_token"]
                     )
+                if template["GROUPED"] == "true":
+                    partials = (splits - 1) * plan.block[0] * (vec + 3) * 4
+                    _group_scale(plan, memory, a, x, token, within, partials)
         return
     tokens, heads, head_size = a["num_tokens"], a["num_heads"], a["head_size"]
     work_items = -(-tokens // plan.block[1]) * heads
@@ -216,7 +234,7 @@ def _random_values(rng, shape, dtype, ptr):
         strides[axis] = step
         step *= padded[axis]
     offset = rng.choice([0, 0, padded[-1] - shape[-1]])
-    itemsize = 4 if dtype == "float32" else 2
+    itemsize = {"float32": 4, "float8_e4m3fn": 1}.get(dtype, 2)
     return view(shape, dtype, ptr + offset * itemsize, strides)
 
 
@@ -303,3 +321,57 @@ def test_n_way_launches_touch_only_their_arrays_and_write_each_output_once(packe
 
 def _state(v, index):
     return v._replace(ptr=v.ptr + index * v.strides[0] * v.itemsize, shape=v.shape[1:], strides=v.strides[1:])
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_fp8_group_scales_are_written_once_each_from_whole_groups(many, monkeypatch):
+    monkeypatch.setattr(_plan, "BUSY_THREADS", 64)  # small cases split their states too
+    rng = random.Random(7 + many)
+    planned = 0
+    while planned < CASES // 3:
+        tokens, heads = rng.randint(1, 7), rng.randint(1, 4)
+        head_size = rng.choice([8, 16, 24, 40, 48, 64, 96, 128])
+        group = rng.choice([d for d in range(1, head_size + 1) if head_size % d == 0])
+        dtype = rng.choice(["float32", "float16", "bfloat16"])
+        groups = heads * head_size // group
+        scales = _lse(rng, (tokens, groups), 8 << 32)
+        out = _random_values(rng, (tokens, heads, head_size), "float8_e4m3fn", 5 << 32)
+        out_lse = _lse(rng, (heads, tokens), 6 << 32)
+        if many:
+            states = rng.choice([2, 3, 9])
+            v = _random_values(rng, (states, tokens, heads, head_size), dtype, 1 << 32)
+            s = _lse(rng, (states, heads, tokens), 2 << 32)
+            views = {"v": v, "s": s, "out": out, "out_lse": out_lse, "scales": scales}
+            options = _plan.ManyStateOptions(0, None, False, group, 0)
+            arrays = [out, out_lse, v, s, None, None, scales]
+            operation = _MERGE_STATES
+        else:
+            views = {
+                "v_a": _random_values(rng, (tokens, heads, head_size), dtype, 1 << 32),
+                "s_a": _lse(rng, (heads, tokens), 2 << 32),
+                "v_b": _random_values(rng, (tokens, heads, head_size), dtype, 3 << 32),
+                "s_b": _lse(rng, (heads, tokens), 4 << 32),
+                "out": out, "out_lse": out_lse, "scales": scales,
+            }  # fmt: skip
+            options = _plan.TwoStateOptions(0, None, None, group, 0)
+            arrays = [views[n] for n in ("out", "out_lse", "v_a", "s_a", "v_b", "s_b")] + [None, None, scales]
+            operation = _MERGE_STATE
+        try:
+            plan = _dispatch.plan_call(operation, options, arrays).plan
+        except ValueError as error:  # a head-major layout: group scales need heads back to back
+            assert "heads back to back" in str(error)
+            continue
+        planned += 1
+        _, template, _ = _args(plan)
+        assert template["GROUPED"] == "true"
+        if "merge_two_states" in plan.kernel and many:
+            memory = Memory({"v_a": _state(v, 0), "s_a": _state(s, 0), "v_b": _state(v, 1), "s_b": _state(s, 1),
+                             "out": out, "out_lse": out_lse, "scales": scales})  # fmt: skip
+            replay_two(plan, memory)
+        elif many:
+            memory = Memory(views)
+            replay_many(plan, memory, None)
+        else:
+            memory = Memory(views)
+            replay_two(plan, memory)
+        memory.expect_each_output_element_written_once()
