@@ -293,7 +293,10 @@ def plan_two_states(
     if packed or grouped:
         geometry = _packed_geometry(state, vec)
         group = _group_geometry(scales, options.group_size, vec)
-        threads = _group_block(PACKED_TWO_THREADS, group["packs_per_group"])
+        # Whole groups a block; with the LSE written in place, whole rows (the group barriers
+        # then order a row's reads of the old LSE before its write, as __syncwarp does otherwise).
+        unit = packs_per_row if grouped and lse_in_place else group["packs_per_group"]
+        threads = _group_block(PACKED_TWO_THREADS, unit)
         grid = (-(-geometry["total_packs"] // threads), 1, 1)
         strides = {
             "out_stride_token": _in_packs(out.strides[0], num_tokens, vec),

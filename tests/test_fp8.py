@@ -204,3 +204,14 @@ def _group_scales(groups=HEADS, **kwargs):
 def test_bad_fp8_calls_raise_naming_the_argument(changes, group, error, words):
     with pytest.raises(error, match=words):
         _planned(_two_way(**changes), group)
+
+
+def test_group_scales_with_the_lse_in_place_take_blocks_of_whole_rows():
+    head_size, group = 96, 48  # 12 packs a row, 6 a group: 21 groups (126 threads) would cut rows
+    scales = view((TOKENS, HEADS * head_size // group), "float32", ptr=8 << 32)
+    arrays = _two_way(out_scale=False, group_scale=scales, head_size=head_size)
+    arrays[1] = arrays[3]  # output_lse is prefix_lse
+    plan = _planned(arrays, group).plan
+    _, template, args = _template(plan)
+    assert template["LSE_IN_PLACE"] == "true" and template["GROUPED"] == "true"
+    assert plan.block[0] % args["packs_per_row"] == 0 and plan.block[0] % args["packs_per_group"] == 0

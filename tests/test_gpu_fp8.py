@@ -397,3 +397,16 @@ def test_bind_relaunches_an_fp8_merge(rng):
         want, _ = _merged_reference(v_a, s_a, v_b, s_b)
         per_element = np.repeat(cupy.asnumpy(scales).astype(np.float64), 128, axis=1).reshape(want.shape)
         _expect_within_one_step(_fp8_to_host(out), want / per_element)
+
+
+@pytest.mark.parametrize("head_size, group", [(96, 48), (128, 32), (64, 64)])
+def test_group_scales_with_the_lse_written_in_place(rng, head_size, group):
+    tokens, heads = 257, 5
+    v_a, s_a, v_b, s_b = _states(rng, tokens, heads, head_size, "bfloat16", "cupy")
+    want, want_lse = _merged_reference(v_a, s_a, v_b, s_b)
+    out = _empty_fp8((tokens, heads, head_size), "cupy")
+    scales = cupy.full((tokens, heads * head_size // group), np.nan, cupy.float32)
+    cm.merge_attn_states(out, v_a, s_a, v_b, s_b, s_a, output_block_scale=scales, quant_group_size=group)
+    np.testing.assert_allclose(to_host(s_a), want_lse, rtol=1e-6, atol=1e-6)
+    per_element = np.repeat(cupy.asnumpy(scales).astype(np.float64), group, axis=1).reshape(want.shape)
+    _expect_within_one_step(_fp8_to_host(out), want / per_element)
