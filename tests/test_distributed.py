@@ -53,7 +53,7 @@ def test_gloo_ranks_on_the_cpu_merge_to_attention_over_the_whole_kv(world):
     from distributed_worker import run_rank
 
     init = f"tcp://127.0.0.1:{_free_port()}"
-    _run_ranks(run_rank, world, lambda rank: (rank, world, init, "gloo", ["float32"]))
+    _run_ranks(run_rank, world, lambda rank: (rank, world, init, "gloo", ["float32", "bfloat16", "float16"]))
 
 
 @pytest.mark.gpu
