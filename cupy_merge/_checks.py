@@ -494,6 +494,13 @@ def check_quantisation(
             )
         expect_device(out_scale, state.device, names.out_scale, names.out)
         expect_aligned(out_scale, names.out_scale)
+        for other, other_name in others:
+            if other is not out_scale and overlaps(
+                out_scale, other
+            ):  # read by every thread while outputs are written
+                raise ValueError(
+                    f"{names.out_scale}: overlaps {other_name} in memory; the scale needs its own memory"
+                )
         return
     assert group_scale is not None and group_size is not None
     name = names.group_scale

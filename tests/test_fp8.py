@@ -190,6 +190,7 @@ def _group_scales(groups=HEADS, **kwargs):
         ({"output_scale": view((1,), "float16", ptr=7 << 32)}, None, TypeError, "^output_scale: expected a float32"),
         ({"output_scale": view((1,), "float32", ptr=7 << 32, device=1)}, None, ValueError, "^output_scale: expected an array on device 0"),
         ({"output_scale": view((1,), "float32", ptr=(7 << 32) + 2)}, None, ValueError, "^output_scale: expected an address aligned"),
+        ({"output_scale": view((1,), "float32", ptr=(2 << 32) + 8)}, None, ValueError, "^output_scale: overlaps output_lse"),
         ({"output_scale": None, "output_block_scale": _group_scales()}, 96, ValueError, "^quant_group_size: expected a divisor of head_size 128"),
         ({"output_scale": None, "output_block_scale": _group_scales(groups=8)}, 128, ValueError, "^output_block_scale: expected shape \\(6, 4\\)"),
         ({"output_scale": None, "output_block_scale": view((TOKENS, HEADS), "float16", ptr=8 << 32)}, 128, TypeError, "^output_block_scale: expected float32"),
