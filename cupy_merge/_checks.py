@@ -468,8 +468,8 @@ def check_quantisation(
     ``out_scale``: float32, one element, read on the device at each launch.
     ``group_scale``: float32 ``[num_tokens, num_heads * head_size / group_size]``,
     written; the group kernels need the packed layout (each value array's heads
-    back to back, offsets within 32 bits). ``others``: every other array of the
-    call, which the written scales must not overlap.
+    back to back, offsets within 32 bits). ``others``: the call's other arrays,
+    which neither kind of scale may overlap.
     """
     if out.dtype != FP8:
         for view, name in ((out_scale, names.out_scale), (group_scale, names.group_scale)):
