@@ -106,14 +106,16 @@ def run_rank(rank: int, world: int, init_method: str, backend: str, dtypes: list
                     failures.append(f"{backend} {dtype} {op}: a bound merge returned new arrays")
                 _compare(bound_v.double().cpu().numpy(), bound_s.double().cpu().numpy(), exact_v, exact_s,
                          tolerance, f"{backend} {dtype} {op} shard={shard_heads} bound", failures)  # fmt: skip
-                # The caller's buffers (a strided out), and base-2 LSEs.
-                out = torch.empty(TOKENS, exact_v.shape[1], 2 * HEAD_SIZE, dtype=torch_dtype, device=device)
-                out = out[..., :HEAD_SIZE]
-                out_lse = torch.empty(exact_s.shape, device=device)
-                cmd.merge_across_ranks(tv, ts / np.log(2), op=op, shard_heads=shard_heads, out=out,
-                                       out_lse=out_lse, lse_base=2)  # fmt: skip
-                _compare(out.double().cpu().numpy(), out_lse.double().cpu().numpy() * np.log(2), exact_v, exact_s,
-                         tolerance, f"{backend} {dtype} {op} shard={shard_heads} out= base 2", failures)  # fmt: skip
+                # The caller's buffers (strided, or contiguous: summed in place), and base-2 LSEs.
+                for width in (2 * HEAD_SIZE, HEAD_SIZE):
+                    out = torch.empty(TOKENS, exact_v.shape[1], width, dtype=torch_dtype, device=device)
+                    out = out[..., :HEAD_SIZE]
+                    out_lse = torch.empty(exact_s.shape, device=device)
+                    cmd.merge_across_ranks(tv, ts / np.log(2), op=op, shard_heads=shard_heads, out=out,
+                                           out_lse=out_lse, lse_base=2)  # fmt: skip
+                    _compare(out.double().cpu().numpy(), out_lse.double().cpu().numpy() * np.log(2), exact_v,
+                             exact_s, tolerance, f"{backend} {dtype} {op} shard={shard_heads} out {width}",
+                             failures)  # fmt: skip
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - every failure goes back to the test as text
         failures.append(traceback.format_exc())

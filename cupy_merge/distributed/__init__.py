@@ -280,15 +280,24 @@ def exchange(comm: Any, received: Any, packed: Any) -> None:
 def _merge_by_sum(call: CrossRankCall):
     """All-gather the LSEs; scale this rank's values by their weights; sum them over ranks."""
     comm, xp, v, shards, out = call.comm, call.xp, call.v, call.shards, call.out
-    num_tokens, num_heads, head_size = v.shape
+    num_tokens, num_heads, _ = v.shape
     heads = num_heads // shards
     gathered = xp.empty_lse((comm.world_size, num_heads, num_tokens), like=v)
     comm.all_gather(gathered, xp.contiguous(call.s))
     merged_lse = call.out_lse if call.out_lse is not None else xp.empty_lse((heads, num_tokens), like=v)
-    scaled = xp.empty_values((shards, num_tokens, heads, head_size), like=v)
+    scaled = scale_buffer(xp, v, shards, out)
     _steps.scale_for_sum(xp, v, gathered, comm.rank, scaled, merged_lse, call.lse_base_2)
     merged = sum_over_ranks(comm, xp, scaled, out)
     return _deliver(xp, merged, merged_lse, out, None)
+
+
+def scale_buffer(xp: Any, v: Any, shards: int, out: Any) -> Any:
+    """Where the scaled values go, ``[shards, T, H / shards, D]``: the caller's contiguous ``out``
+    itself for an all-reduce (summed in place, nothing copied after), else a new buffer."""
+    num_tokens, num_heads, head_size = v.shape
+    if shards == 1 and out is not None and xp.is_contiguous(out):
+        return out.reshape((1, *out.shape))
+    return xp.empty_values((shards, num_tokens, num_heads // shards, head_size), like=v)
 
 
 def sum_over_ranks(comm: Any, xp: Any, scaled: Any, out: Any) -> Any:
@@ -296,7 +305,7 @@ def sum_over_ranks(comm: Any, xp: Any, scaled: Any, out: Any) -> Any:
     for one shard, this rank's chunk (reduce-scatter, into ``out`` when it is contiguous) for many."""
     if scaled.shape[0] == 1:
         comm.all_reduce(scaled)
-        return scaled[0]
+        return out if out is not None and xp.pointer(scaled) == xp.pointer(out) else scaled[0]
     merged = (
         out if out is not None and xp.is_contiguous(out) else xp.empty_values(scaled.shape[1:], like=scaled)
     )

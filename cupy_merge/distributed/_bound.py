@@ -146,14 +146,13 @@ def _exchange_steps(call: Any, out: Any, out_lse: Any):
 
 def _sum_steps(call: Any, out: Any, out_lse: Any):
     """All-gather the LSEs, the scaling kernel, and the all-reduce or reduce-scatter."""
-    from . import sum_over_ranks
+    from . import scale_buffer, sum_over_ranks
 
     comm, xp, v, s = call.comm, call.xp, call.v, call.s
-    num_tokens, num_heads, head_size = v.shape
-    heads = num_heads // call.shards
+    num_tokens, num_heads, _ = v.shape
     gathered = xp.empty_lse((comm.world_size, num_heads, num_tokens), like=v)
     lse = s if xp.is_contiguous(s) else xp.empty_lse(tuple(s.shape), like=v)
-    scaled = xp.empty_values((call.shards, num_tokens, heads, head_size), like=v)
+    scaled = scale_buffer(xp, v, call.shards, out)
     scale = _steps.prepare_scale(xp, v, gathered, comm.rank, scaled, out_lse, call.lse_base_2)
 
     def run() -> None:
