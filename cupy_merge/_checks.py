@@ -532,13 +532,16 @@ def check_quantisation(
                 f"{name}: group scales need every value array's heads back to back (head stride = head_size); "
                 f"{view_name} has strides {view.strides}; copy it into a contiguous array"
             )
-        if _span(view) >= INDEX_32_LIMIT:
+    # The group kernels count and offset in 32 bits: every array, and every extent (states too).
+    for view, view_name in [(out, names.out), (group_scale, name), *values, *others]:
+        if _span(view) >= INDEX_32_LIMIT or max(view.shape, default=0) >= INDEX_32_LIMIT:
             raise ValueError(
-                f"{name}: group scales need value arrays of fewer than 2**30 elements; {view_name} spans more"
+                f"{name}: group scales need arrays that span fewer than 2**30 elements; {view_name} spans more"
             )
 
 
 def _span(view: ArrayView) -> int:
+    """How many elements from the lowest to the highest one ``view`` reaches."""
     return sum((n - 1) * abs(stride) for n, stride in zip(view.shape, view.strides) if n > 0)
 
 

@@ -200,6 +200,11 @@ def _group_scales(groups=HEADS, **kwargs):
           "prefix_output": view((TOKENS, HEADS, HEAD_SIZE), "bfloat16", ptr=3 << 32, strides=(HEADS * 256, 256, 1))}, 128,
          ValueError, "^output_block_scale: group scales need every value array's heads back to back"),
         ({"prefix_output": view((TOKENS, HEADS, HEAD_SIZE), FP8, ptr=3 << 32)}, None, TypeError, "^prefix_output: .*FP8 is an output dtype only"),
+        ({"output_scale": None, "output_block_scale": view((TOKENS, HEADS), "float32", ptr=8 << 32, strides=(2**28, 1))},
+         128, ValueError, "^output_block_scale: group scales need arrays that span fewer than 2\\*\\*30 elements; output_block_scale"),
+        ({"output_scale": None, "output_block_scale": _group_scales(),
+          "prefix_lse": view((HEADS, TOKENS), "float32", ptr=4 << 32, strides=(2**29, 1))}, 128,
+         ValueError, "^output_block_scale: group scales need arrays that span .*; prefix_lse"),
     ],
 )  # fmt: skip
 def test_bad_fp8_calls_raise_naming_the_argument(changes, group, error, words):
