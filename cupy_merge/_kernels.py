@@ -67,12 +67,15 @@ def kernel_source(name: str) -> str:
     Inlining keeps the whole program in one string, so CuPy's on-disk kernel
     cache (keyed by source text) can never pair a new header with an old binary.
     """
+    return with_includes(
+        (importlib.resources.files("cupy_merge.cuda_src") / name).read_text(encoding="utf-8")
+    )
+
+
+def with_includes(source: str) -> str:
+    """``source`` with each ``#include "file"`` of the shipped ``cuda_src/`` replaced by the file's text."""
     folder = importlib.resources.files("cupy_merge.cuda_src")
-
-    def inline(match: re.Match) -> str:
-        return (folder / match.group(1)).read_text(encoding="utf-8")
-
-    return _INCLUDE.sub(inline, (folder / name).read_text(encoding="utf-8"))
+    return _INCLUDE.sub(lambda match: (folder / match.group(1)).read_text(encoding="utf-8"), source)
 
 
 def nvrtc_version() -> tuple[int, int]:

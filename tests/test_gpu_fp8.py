@@ -12,14 +12,12 @@ the merge's own float32 error included).
 
 from __future__ import annotations
 
-import importlib.resources
-
 import numpy as np
 import pytest
 from gpu_arrays import fill_nan, to_device, to_host
 
 import cupy_merge as cm
-from cupy_merge import reference
+from cupy_merge import _kernels, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -103,18 +101,21 @@ def _merged_reference(v_a, s_a, v_b, s_b, prefill=None):
 
 _CONVERT = r"""
 #include "numerics.cuh"
-extern "C" __global__ void convert(unsigned long long first, unsigned long long count, unsigned char* out) {
+// Bit patterns first, first + 1, ... (or in[i], when given) converted to FP8.
+extern "C" __global__ void convert(unsigned long long first, unsigned long long count, unsigned char* out,
+                                   const unsigned* in) {
   for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < count;
        i += (unsigned long long)gridDim.x * blockDim.x) {
-    out[i] = cupy_merge::from_float<cupy_merge::fp8_e4m3_t>(__uint_as_float(static_cast<unsigned>(first + i))).bits;
+    const unsigned bits = in != nullptr ? in[i] : static_cast<unsigned>(first + i);
+    out[i] = cupy_merge::from_float<cupy_merge::fp8_e4m3_t>(__uint_as_float(bits)).bits;
   }
 }
 """
+PORTABLE = "-DCUPY_MERGE_PORTABLE_FP8"
 
 
 def _converter(*options):
-    folder = importlib.resources.files("cupy_merge.cuda_src")
-    source = _CONVERT.replace('#include "numerics.cuh"', (folder / "numerics.cuh").read_text())
+    source = _kernels.with_includes(_CONVERT)
     return cupy.RawModule(code=source, options=("-std=c++17", *options)).get_function("convert")
 
 
@@ -126,12 +127,12 @@ def _same_fp8(a, b):
 def test_the_portable_fp8_conversion_matches_the_hardware_one_on_every_float32():
     if cupy.cuda.Device().compute_capability < "89":
         pytest.skip("the hardware conversion needs sm_89 or newer")
-    hardware, portable = _converter(), _converter("-DCUPY_MERGE_PORTABLE_FP8")
+    hardware, portable = _converter(), _converter(PORTABLE)
     chunk = 1 << 30
     a, b = cupy.empty(chunk, cupy.uint8), cupy.empty(chunk, cupy.uint8)
     for first in range(0, 1 << 32, chunk):
         for kernel, out in ((hardware, a), (portable, b)):
-            kernel((4096,), (256,), (cupy.uint64(first), cupy.uint64(chunk), out))
+            kernel((4096,), (256,), (cupy.uint64(first), cupy.uint64(chunk), out, cupy.uint64(0)))
         bad = int((~_same_fp8(a, b)).sum())
         assert bad == 0, f"{bad} float32 patterns from {first:#x} convert differently"
 
@@ -143,17 +144,12 @@ def test_the_fp8_conversion_rounds_to_nearest_even_and_saturates_as_ml_dtypes_af
     floats = patterns.view(np.float32)
     with np.errstate(invalid="ignore"):  # the NaN patterns
         want = np.clip(floats, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    for options in ((), ("-DCUPY_MERGE_PORTABLE_FP8",)):
+    device_patterns = cupy.asarray(patterns)
+    for options in ((), (PORTABLE,)):
         out = cupy.empty(len(patterns), cupy.uint8)
-        device_patterns = cupy.asarray(patterns)
-        source = _CONVERT.replace(
-            "__uint_as_float(static_cast<unsigned>(first + i))", "__uint_as_float(in[i])"
+        _converter(*options)(
+            (1024,), (256,), (cupy.uint64(0), cupy.uint64(len(patterns)), out, device_patterns)
         )
-        source = source.replace("unsigned char* out)", "unsigned char* out, const unsigned* in)")
-        folder = importlib.resources.files("cupy_merge.cuda_src")
-        source = source.replace('#include "numerics.cuh"', (folder / "numerics.cuh").read_text())
-        kernel = cupy.RawModule(code=source, options=("-std=c++17", *options)).get_function("convert")
-        kernel((1024,), (256,), (cupy.uint64(0), cupy.uint64(len(patterns)), out, device_patterns))
         got = cupy.asnumpy(out)
         assert _same_fp8(got, want).all(), (
             f"{int((~_same_fp8(got, want)).sum())} differ with options {options}"

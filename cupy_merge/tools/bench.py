@@ -298,11 +298,9 @@ extern "C" __global__ void quantise(const bfloat16_t* in, fp8_e4m3_t* out, const
 
 def _quantiser():
     """A one-pass bfloat16 -> FP8 quantisation (16-byte loads, one thread per 8 elements)."""
-    import importlib.resources
+    from .._kernels import with_includes
 
-    header = (importlib.resources.files("cupy_merge.cuda_src") / "numerics.cuh").read_text()
-    source = _QUANTISE.replace('#include "numerics.cuh"', header)
-    return cupy.RawModule(code=source, options=("-std=c++17",)).get_function("quantise")
+    return cupy.RawModule(code=with_includes(_QUANTISE), options=("-std=c++17",)).get_function("quantise")
 
 
 def run_fp8_case(tokens, heads, head_size, torch, quantise) -> dict:
