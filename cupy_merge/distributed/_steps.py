@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+from .. import _arrays, _kernels
 from .. import _catalogue as cat
-from .. import _kernels
-from .._plan import LaunchPlan
+from .._plan import LaunchPlan, choose_vector_width
 
 #: Threads of a block of the rank kernels, over as many rows as a row's packs leave room for.
 ROW_THREADS = 128
@@ -164,19 +164,21 @@ _MAX_PREPARED = 1024
 def _prepare(
     xp: Any, family: cat.KernelFamily, rows: int, head_size: int, args: dict, like: Any
 ) -> _kernels.PreparedLaunch:
-    """Rows of ``like``'s shape on its device: 16-byte packs where every row is aligned.
+    """Rows of ``like``'s shape on its device: 16-byte packs where every row is aligned (the
+    merges' rule, ``choose_vector_width``; the buffers written start on 16 bytes), else elements.
 
     Prepared launches are kept by their arguments: a serving loop's buffers come
     back from the caching allocator at the same addresses, so a step's launches
     are found again instead of packed anew.
     """
-    dtype, itemsize = xp.dtype_name(like), xp.itemsize(like)
-    vec = 16 // itemsize if _rows_aligned(xp, like, head_size, itemsize) else 1
+    dtype = xp.dtype_name(like)
     device = xp.device_index(like)
     values = family.arguments(**args)
-    key = (family.name, dtype, vec, values, device)
+    key = (family.name, dtype, values, device)  # the arguments hold every pointer, stride and size
     prepared = _prepared.get(key)
     if prepared is None:
+        widths = (16 // xp.itemsize(like), 1)
+        vec = choose_vector_width([_arrays.describe(like, "v")], head_size, widths)
         threads_x = max(1, min(head_size // vec, ROW_THREADS))
         rows_y = max(1, ROW_THREADS // threads_x)
         grid = (min(-(-rows // rows_y), 2**31 - 1), 1, 1)
@@ -195,16 +197,6 @@ def launch(xp: Any, prepared: _kernels.PreparedLaunch | None) -> None:
     """A prepared rank kernel on the current stream of ``xp``'s kind (CuPy: its given stream)."""
     if prepared is not None:
         _kernels.launch(prepared, xp.stream_pointer(prepared.device))
-
-
-def _rows_aligned(xp: Any, v: Any, head_size: int, itemsize: int) -> bool:
-    """Whether every row of ``v`` (and of the buffers written, which start on 16 bytes) moves in 16-byte packs."""
-    strides = [stride for extent, stride in zip(v.shape[:-1], xp.strides(v)[:-1]) if extent > 1]
-    return (
-        (head_size * itemsize) % 16 == 0
-        and xp.pointer(v) % 16 == 0
-        and all((stride * itemsize) % 16 == 0 for stride in strides)
-    )
 
 
 def merge_on_host(xp: Any, v: Any, s: Any, lse_base_2: int) -> tuple[Any, Any]:
