@@ -1,6 +1,10 @@
 """Context-parallel decode: the KV cache is sharded over GPUs, each attends to its shard,
 and the partial states are merged across ranks; checked against attention on one GPU.
 
+First every rank receives the merge of all heads; then, as before a tensor-parallel output
+projection, only its own heads (``shard_heads=True``): each rank holds the rows of W_o for its
+heads, and one all-reduce sums the projected parts.
+
     torchrun --nproc-per-node=2 examples/context_parallel_decode.py
 """
 
@@ -44,4 +48,18 @@ for op in ("allreduce", "allgather"):
             f"{op}: {world} ranks x {kv_len // world} keys each; relative error {error:.1e}, max LSE error {lse_error:.1e}"
         )
     assert error < 2e-2 and lse_error < 1e-3
+
+# Heads sharded over the ranks, feeding a row-parallel output projection.
+hidden = 4096
+w_o = torch.randn(heads * head_size, hidden, device="cuda", dtype=torch.bfloat16, generator=generator) / 64
+my_heads = slice(rank * heads // world, (rank + 1) * heads // world)
+w_o_rows = w_o.view(heads, head_size, hidden)[my_heads].reshape(-1, hidden)  # this rank's rows of W_o
+out, _ = merge_across_ranks(part_out, part_lse, shard_heads=True)  # [tokens, heads / world, head_size]
+projected = out.reshape(tokens, -1) @ w_o_rows
+dist.all_reduce(projected)  # the sum over head groups
+want_projected = want_out.reshape(tokens, -1) @ w_o  # one GPU, all heads
+error = ((projected.float() - want_projected.float()).norm() / want_projected.float().norm()).item()
+if rank == 0:
+    print(f"heads sharded: {heads // world} heads per rank, projected; relative error {error:.1e}")
+assert error < 3e-2
 dist.destroy_process_group()
