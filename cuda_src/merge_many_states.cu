@@ -80,14 +80,28 @@ struct Partial {
     }
   }
 
-  __device__ __forceinline__ void combine(const Partial& other) {
-    any_nan |= other.any_nan;
-    if (other.lse_max == negative_infinity()) return;
-    rebase(other.lse_max);
-    const float scale = expf(other.lse_max - lse_max);
-    sum = fmaf(other.sum, scale, sum);
+  // Folds in the partials of the row's other splits (`count` of them, `stride` apart in
+  // shared memory). Their common maximum comes first, so that each split's weight is
+  // independent of the others': no chain of rescales through the splits.
+  __device__ __forceinline__ void combine(const Partial* others, int count, int stride) {
+    float row_max = lse_max;
+    for (int i = 0; i < count; ++i) {
+      any_nan |= others[i * stride].any_nan;
+      row_max = fmaxf(row_max, others[i * stride].lse_max);
+    }
+    if (row_max == negative_infinity()) return;  // every split empty
+    const float own = expf(lse_max - row_max);     // 0 when this split is empty (its sums are 0)
+    sum *= own;
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) acc[k] = fmaf(other.acc[k], scale, acc[k]);
+    for (int k = 0; k < VEC; ++k) acc[k] *= own;
+    for (int i = 0; i < count; ++i) {
+      const Partial& other = others[i * stride];
+      const float scale = expf(other.lse_max - row_max);
+      sum = fmaf(other.sum, scale, sum);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[k] = fmaf(other.acc[k], scale, acc[k]);
+    }
+    lse_max = row_max;
   }
 };
 
@@ -124,6 +138,29 @@ __device__ __forceinline__ void natural_chunk_lse(const float (&raw)[MERGE_CHUNK
                                                   float (&lse)[MERGE_CHUNK]) {
 #pragma unroll
   for (int j = 0; j < MERGE_CHUNK; ++j) lse[j] = j <= last ? empty_if_inf(raw[j]) * to_natural : negative_infinity();
+}
+
+// Folds the states i0 .. i0 + MERGE_CHUNK - 1 of a row (those before `count`) into
+// `part`. Every load of the chunk is issued before any result is used: no branch
+// separates them (a short chunk re-reads its last state instead), so the chunk
+// costs one memory round trip, not one per state. `column`: the thread's pack in
+// the row's first state; without `has_pack` only the LSEs are read.
+template <typename TIn, int VEC, typename Index, typename LseStride>
+__device__ __forceinline__ void fold_chunk(Partial<VEC>& part, const float* row_lse, const Pack<TIn, VEC>* column,
+                                           Index i0, Index count, LseStride lse_stride_state, Index pack_stride_state,
+                                           float to_natural, bool has_pack) {
+  const int last = chunk_last(i0, count);
+  float raw[MERGE_CHUNK];
+  Pack<TIn, VEC> values[MERGE_CHUNK] = {};
+#pragma unroll
+  for (int j = 0; j < MERGE_CHUNK; ++j) raw[j] = row_lse[(i0 + min(j, last)) * lse_stride_state];
+  if (has_pack) {
+#pragma unroll
+    for (int j = 0; j < MERGE_CHUNK; ++j) values[j] = load_pack(column + (i0 + min(j, last)) * pack_stride_state);
+  }
+  float chunk_lse[MERGE_CHUNK];
+  natural_chunk_lse(raw, last, to_natural, chunk_lse);
+  part.template fold<TIn>(chunk_lse, values);
 }
 
 // SPLIT: whether the block's z threads share rows (the instantiation without it
@@ -179,21 +216,7 @@ __global__ void merge_many_states(
       part.reset();
 #pragma unroll 1
       for (Index i0 = split * MERGE_CHUNK; i0 < count; i0 += chunk_step) {
-        // Every load of the chunk is issued before any result is used: no branch
-        // separates them (a short chunk re-reads its last state instead), so the
-        // chunk costs one memory round trip, not one per state.
-        const int last = chunk_last(i0, count);
-        float raw_lse[MERGE_CHUNK];
-        InPack chunk_values[MERGE_CHUNK] = {};
-#pragma unroll
-        for (int j = 0; j < MERGE_CHUNK; ++j) raw_lse[j] = row_lse[(i0 + min(j, last)) * lse_stride_state];
-        if (has_pack) {
-#pragma unroll
-          for (int j = 0; j < MERGE_CHUNK; ++j) chunk_values[j] = load_pack(column + (i0 + min(j, last)) * pack_stride_state + p);
-        }
-        float chunk_lse[MERGE_CHUNK];
-        natural_chunk_lse(raw_lse, last, to_natural, chunk_lse);
-        part.template fold<TIn>(chunk_lse, chunk_values);
+        fold_chunk(part, row_lse, column + p, i0, count, lse_stride_state, pack_stride_state, to_natural, has_pack);
       }
       if constexpr (SPLIT) {
         // Uniform across the block: every thread reaches both barriers.
@@ -202,7 +225,7 @@ __global__ void merge_many_states(
         if (split > 0) shared_partials[(split - 1) * row_slots + slot] = part;
         __syncthreads();
         if (split == 0) {
-          for (int other = 1; other < splits; ++other) part.combine(shared_partials[(other - 1) * row_slots + slot]);
+          part.combine(shared_partials + slot, splits - 1, row_slots);
         }
         __syncthreads();  // the slots are reused by the next pass
       }
@@ -230,26 +253,14 @@ __global__ void merge_many_states(
 
 namespace cupy_merge {
 
-// This thread's states of a row: chunks of MERGE_CHUNK states starting at
-// split * MERGE_CHUNK, splits * MERGE_CHUNK apart. `visit(i0, last)` gets each
-// chunk's first state and the index of its last one within the chunk.
-template <typename Visit>
-__device__ __forceinline__ void for_each_chunk(int count, int split, int splits, Visit visit) {
-#pragma unroll 1
-  for (int i0 = split * MERGE_CHUNK; i0 < count; i0 += splits * MERGE_CHUNK) {
-    visit(i0, count - i0 < MERGE_CHUNK ? count - i0 - 1 : MERGE_CHUNK - 1);
-  }
-}
-
 // The lean variant, for the common layouts: v holds the heads of a token back
 // to back (head stride = head_size) in rows that start on a pack, the output
 // too, all offsets fit in 32 bits, and packs are 16 bytes. Thread x of the grid
-// owns output pack x, numbered over (token, head, pack) with no gaps. Two passes
-// over a row's states: the maximum LSE first (LSE loads only, which neighbouring
-// lanes share), then the values with final weights exp(lse_i - max): no running
-// rescale, so few registers and many threads resident. (Loading the first
-// chunk's values with the LSEs saved a round trip but cost 8-16 registers, and
-// measured slower: session 4, sweep 2.)
+// owns output pack x, numbered over (token, head, pack) with no gaps. One memory
+// round trip a chunk of MERGE_CHUNK states (their LSEs and value packs together),
+// folded into a running maximum as in merge_many_states. (Session 4's two passes,
+// the maxima first and then the values, took 1 register fewer but a round trip
+// more a chunk, and measured 1-9 points of copy speed slower: session 6, run 2.)
 //
 // SPLIT: the block's y threads take every splits-th chunk of a row's states and
 // combine their partial sums in shared memory (many states, few rows).
@@ -295,44 +306,16 @@ __global__ void merge_many_states_packed(
 
   Partial<VEC> part;
   part.reset();
-  for_each_chunk(count, split, splits, [&](int i0, int last) {
-    float raw[MERGE_CHUNK];
-#pragma unroll
-    for (int j = 0; j < MERGE_CHUNK; ++j) raw[j] = row_lse[(i0 + min(j, last)) * lse_stride_state];
-#pragma unroll
-    for (int j = 0; j < MERGE_CHUNK; ++j) {
-      const float s = empty_if_inf(raw[j]) * to_natural;
-      part.any_nan |= is_nan(s);
-      part.lse_max = fmaxf(part.lse_max, s);  // fmaxf ignores NaN
-    }
-  });
-  if (part.lse_max != negative_infinity() && !part.any_nan) {
-    for_each_chunk(count, split, splits, [&](int i0, int last) {
-      // Every load of the chunk is issued before any is used; a short chunk re-reads its last state.
-      float raw[MERGE_CHUNK];
-      InPack values[MERGE_CHUNK];
-#pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j) raw[j] = row_lse[(i0 + min(j, last)) * lse_stride_state];
-#pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j) values[j] = load_pack(column + (i0 + min(j, last)) * v_stride_state);
-#pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j) {
-        const float weight = j <= last ? exp_weight(empty_if_inf(raw[j]) * to_natural - part.lse_max) : 0.0f;
-        part.sum += weight;
-        // A state of weight zero adds nothing, even if its values are NaN (an empty split).
-        if (weight != 0.0f) {
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) part.acc[k] = fmaf(weight, to_float(values[j].v[k]), part.acc[k]);
-        }
-      }
-    });
+#pragma unroll 1
+  for (int i0 = split * MERGE_CHUNK; i0 < count; i0 += splits * MERGE_CHUNK) {
+    fold_chunk(part, row_lse, column, i0, count, lse_stride_state, v_stride_state, to_natural, true);
   }
   if constexpr (SPLIT) {
     // Uniform across the block: every thread reaches the barrier.
     if (split > 0) shared_partials[(split - 1) * blockDim.x + threadIdx.x] = part;
     __syncthreads();
     if (split == 0) {
-      for (int other = 1; other < splits; ++other) part.combine(shared_partials[(other - 1) * blockDim.x + threadIdx.x]);
+      part.combine(shared_partials + threadIdx.x, splits - 1, blockDim.x);
     } else if constexpr (!GROUPED) {
       return;
     }

@@ -32,6 +32,8 @@ STRIDED_SMALL_TRAFFIC = 32_000_000
 # Packed kernels (docs/PERF.md, session 4 sweeps 1 and 2): 128-thread blocks measured
 # 0-3 points of copy speed above 256 and 512; loads with the .cs hint below 64 MB of
 # traffic (up to 3 points faster there), plain loads from 64 MB (5-10 points faster).
+# The N-way kernel's loads always carry the hint: plain loads measured 0-9 points
+# slower at every size but one (docs/PERF.md, session 6, run 5).
 PACKED_TWO_THREADS = 128
 PACKED_MANY_THREADS = 128
 PACKED_STREAMING_BELOW = 64_000_000
@@ -41,6 +43,8 @@ PACKED_STREAMING_BELOW = 64_000_000
 BUSY_THREADS = 128 * 1024
 MAX_SPLITS = 16
 MAX_BLOCK_THREADS = 256
+#: The packed N-way kernel's fewest threads across rows in a block.
+MIN_ROW_THREADS = 32
 #: CUDA's limit on a block's threads.
 CUDA_BLOCK_LIMIT = 1024
 
@@ -378,7 +382,9 @@ def plan_many_states(
         geometry = _packed_geometry(state, vec)
         group = _group_geometry(scales, options.group_size, vec)
         splits = choose_state_splits(num_states, geometry["total_packs"], cat.MERGE_CHUNK)
-        threads_x = _group_block(max(32, PACKED_MANY_THREADS // splits), group["packs_per_group"])
+        threads_x = _group_block(
+            max(MIN_ROW_THREADS, PACKED_MANY_THREADS // splits), group["packs_per_group"]
+        )
         splits = max(1, min(splits, CUDA_BLOCK_LIMIT // threads_x))
         grid = (-(-geometry["total_packs"] // threads_x), 1, 1)
         strides = {

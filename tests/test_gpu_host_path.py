@@ -161,6 +161,7 @@ def test_eight_threads_on_their_own_streams_merge_repeatedly(rng):
 
     workers, rounds = 8, 25
     inputs = [_states(rng, "cupy", "float16", tokens=97 * (i + 1)) for i in range(workers)]
+    cupy.cuda.Device().synchronize()  # the workers' non-blocking streams do not wait for the null stream
     errors = []
 
     def work(index):
@@ -170,9 +171,11 @@ def test_eight_threads_on_their_own_streams_merge_repeatedly(rng):
             out, out_lse = cupy.empty_like(states[0]), cupy.empty_like(states[1])
             bound = cm.bind(cm.merge_attn_states, out, *states, out_lse)
             for round_ in range(rounds):
-                if round_ % 2:
-                    fill_nan(out)
                 with stream:
+                    if round_ % 2:
+                        fill_nan(
+                            out
+                        )  # on the merge's stream: a non-blocking stream does not wait for the null stream
                     if round_ % 3 == 0:
                         bound(stream=stream)
                     elif round_ % 3 == 1:

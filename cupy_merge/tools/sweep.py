@@ -16,7 +16,7 @@ import sys
 import cupy
 import numpy
 
-from .. import _dispatch, _plan, merge_state, merge_states, merge_states_varlen
+from .. import _catalogue, _dispatch, _kernels, _plan, merge_state, merge_states, merge_states_varlen
 from .timing import median_ms
 
 TWO_CASES = [
@@ -29,21 +29,22 @@ TWO_VARIANTS = {
     "strided": {"PACKED_KERNELS": False},
     "packed": {},
     "t256": {"PACKED_TWO_THREADS": 256},
+    "t64": {"PACKED_TWO_THREADS": 64},
     "cs-loads": {"PACKED_STREAMING_BELOW": 2**62},
     "plain-loads": {"PACKED_STREAMING_BELOW": 0},
 }
 #: (states, tokens, heads, head_size); states < 0: ragged with 0..-2*states states a token.
 MANY_CASES = [
-    (16, 1, 32, 128), (16, 64, 32, 128), (64, 64, 32, 128), (8, 256, 32, 128), (4, 4096, 32, 128),
+    (16, 1, 32, 128), (64, 1, 32, 128), (8, 4, 8, 128), (16, 64, 32, 128), (64, 64, 32, 128), (8, 256, 32, 128), (4, 4096, 32, 128),
     (256, 16, 32, 128), (16, 1024, 32, 128), (8, 8192, 32, 128), (16, 2048, 8, 128), (3, 8192, 32, 128),
     (-16, 512, 32, 128), (-8, 4096, 32, 128),
 ]  # fmt: skip
 MANY_VARIANTS = {
     "strided": {"PACKED_KERNELS": False},
     "packed": {},
-    "t256": {"PACKED_MANY_THREADS": 256},
-    "busy64k": {"BUSY_THREADS": 64 * 1024},
-    "busy256k": {"BUSY_THREADS": 256 * 1024},
+    "cs-loads": {"PACKED_STREAMING_BELOW": 2**62},
+    "plain-loads": {"PACKED_STREAMING_BELOW": 0},
+    "head-blocks": {"PACKED_MANY_THREADS": 64, "MIN_ROW_THREADS": 16},
 }
 
 
@@ -60,21 +61,32 @@ def _copy_us(nbytes: int) -> float:
 
 
 class _Settings:
-    """Planner constants set for a block, restored after; prepared calls forgotten both ways."""
+    """Planner constants (or the compile options) set for a block, restored after; prepared
+    calls forgotten both ways, and compiled kernels too when the options change."""
 
     def __init__(self, settings: dict):
         self.settings = settings
 
-    def __enter__(self):
-        self.saved = {name: getattr(_plan, name) for name in self.settings}
-        for name, value in self.settings.items():
-            setattr(_plan, name, value)
+    @staticmethod
+    def _owner(name: str):
+        return _catalogue if name in ("COMPILE_OPTIONS", "MERGE_CHUNK") else _plan
+
+    def _forget(self):
         _dispatch._calls.clear()
+        if "COMPILE_OPTIONS" in self.settings:
+            _kernels._modules.clear()
+            _kernels._functions.clear()
+
+    def __enter__(self):
+        self.saved = {name: getattr(self._owner(name), name) for name in self.settings}
+        for name, value in self.settings.items():
+            setattr(self._owner(name), name, value)
+        self._forget()
 
     def __exit__(self, *exc):
         for name, value in self.saved.items():
-            setattr(_plan, name, value)
-        _dispatch._calls.clear()
+            setattr(self._owner(name), name, value)
+        self._forget()
         return False
 
 
