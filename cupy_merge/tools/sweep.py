@@ -1,7 +1,8 @@
 """``python -m cupy_merge.tools.sweep``: kernel variants side by side, checked, one table per family.
 
-Each variant is a setting of the planner's constants (``cupy_merge._plan``); the
-sweep sets it, forgets every prepared call, merges each case once to check it
+Each variant is a setting of the planner's constants (``cupy_merge._plan``), or of
+the kernels' compile options and ``MERGE_CHUNK`` (``cupy_merge._catalogue``, which
+recompiles); the sweep sets it, forgets every prepared call, merges each case once to check it
 against the strided kernels' result, then times it (CUDA events, median, L2
 flushed) next to a same-bytes copy. Cells are % of the copy's speed; the last
 column is the largest relative error of any variant against the strided kernels.
@@ -42,9 +43,8 @@ MANY_CASES = [
 MANY_VARIANTS = {
     "strided": {"PACKED_KERNELS": False},
     "packed": {},
-    "cs-loads": {"PACKED_STREAMING_BELOW": 2**62},
-    "plain-loads": {"PACKED_STREAMING_BELOW": 0},
     "head-blocks": {"PACKED_MANY_THREADS": 64, "MIN_ROW_THREADS": 16},
+    "chunk8": {"MERGE_CHUNK": 8, "COMPILE_OPTIONS": ("-std=c++17", "-DMERGE_CHUNK=8")},
 }
 
 
