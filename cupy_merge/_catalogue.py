@@ -75,6 +75,18 @@ def _cpp(value: object) -> str:
     return str(value)
 
 
+#: The packed kernels' numbering of output packs over (token, head, pack), in both
+#: families' parameter order (``_plan._packed_geometry`` fills them).
+PACKED_GEOMETRY = (
+    "total_packs", "packs_per_token", "token_multiplier", "token_shift",
+    "packs_per_row", "head_multiplier", "head_shift",
+)  # fmt: skip
+#: The packed kernels' last parameters: FP8 group scales (``_plan._group_geometry``).
+GROUP_SCALES = (
+    "out_group_scale", "group_stride_token", "group_stride_group",
+    "packs_per_group", "group_multiplier", "group_shift", "scale_ue8m0",
+)  # fmt: skip
+
 TWO_STRIDED = KernelFamily(
     TWO_STATES_SOURCE,
     "merge_two_states",
@@ -96,14 +108,12 @@ TWO_PACKED = KernelFamily(
     ("TIn", "TOut", "VEC", "STREAMING", "LSE_IN_PLACE", "GROUPED"),
     (
         "out", "out_lse", "out_scale", "v_a", "lse_a", "v_b", "lse_b", "mask",
-        "total_packs", "packs_per_token", "token_multiplier", "token_shift",
-        "packs_per_row", "head_multiplier", "head_shift", "merge_tokens",
+        *PACKED_GEOMETRY, "merge_tokens",
         "out_stride_token", "a_stride_token", "b_stride_token",
         "out_lse_stride_head", "out_lse_stride_token", "lse_a_stride_head", "lse_a_stride_token",
         "lse_b_stride_head", "lse_b_stride_token",
         "mask_stride", "lse_base_2",
-        "out_group_scale", "group_stride_token", "group_stride_group",
-        "packs_per_group", "group_multiplier", "group_shift", "scale_ue8m0",
+        *GROUP_SCALES,
     ),
 )  # fmt: skip
 
@@ -126,13 +136,11 @@ MANY_PACKED = KernelFamily(
     ("TIn", "TOut", "VEC", "SPLIT", "GROUPED"),
     (
         "out", "out_lse", "out_scale", "v", "lse", "indptr", "indptr_bytes", "indptr_stride",
-        "num_states", "total_packs", "packs_per_token", "token_multiplier", "token_shift",
-        "packs_per_row", "head_multiplier", "head_shift",
+        "num_states", *PACKED_GEOMETRY,
         "out_stride_token", "v_stride_state", "v_stride_token",
         "out_lse_stride_head", "out_lse_stride_token",
         "lse_stride_state", "lse_stride_head", "lse_stride_token", "lse_base_2",
-        "out_group_scale", "group_stride_token", "group_stride_group",
-        "packs_per_group", "group_multiplier", "group_shift", "scale_ue8m0",
+        *GROUP_SCALES,
     ),
 )  # fmt: skip
 
