@@ -19,7 +19,7 @@
 // merge_many_states launch: block (threads_x, rows_y, splits), a 1-D grid over work items (rows_y
 // tokens of one head). Thread (x, y, z) takes pack x of token y's row over the
 // states z, z + splits, ...: MERGE_CHUNK states at a time, all their LSEs and
-// value packs loaded before any is used, folded into a running maximum, weight
+// value packs loaded before any is used (fold_row), folded into a running maximum, weight
 // sum and weighted sum (online softmax). With splits > 1 the partial results
 // meet in shared memory and split 0 combines them: many states, or few tokens,
 // still give every multiprocessor enough loads in flight.
@@ -46,37 +46,32 @@ struct Partial {
     any_nan = false;
   }
 
-  // Adds states (or another partial) whose maximum is `other_max`: rescales to the new maximum.
-  __device__ __forceinline__ float rebase(float other_max) {
-    const float new_max = fmaxf(lse_max, other_max);
-    if (new_max == negative_infinity()) return new_max;  // everything so far is empty
-    const float rescale = expf(lse_max - new_max);      // exp(-inf) = 0 the first time
+  // Adds a chunk of states; those past the end of the row arrive with lse = -inf (weight zero).
+  // Branch-free (selects, no early return): 0.3-2 points of copy speed faster than the same
+  // fold with branches (docs/PERF.md, session 7, run 5).
+  template <typename TIn>
+  __device__ __forceinline__ void fold(const float (&lse)[MERGE_CHUNK], const Pack<TIn, VEC> (&values)[MERGE_CHUNK]) {
+    float new_max = lse_max;
+#pragma unroll
+    for (int j = 0; j < MERGE_CHUNK; ++j) {
+      any_nan |= is_nan(lse[j]);
+      new_max = fmaxf(new_max, lse[j]);  // fmaxf ignores NaN
+    }
+    // While every state so far is empty the maximum is -inf; 0 stands in for it then, so that
+    // no weight is exp(-inf - -inf) = NaN (the sums are 0 and stay 0).
+    const float base = new_max == negative_infinity() ? 0.0f : new_max;
+    const float rescale = exp_weight(lse_max - base);  // exp(-inf) = 0 the first time
     sum *= rescale;
 #pragma unroll
     for (int k = 0; k < VEC; ++k) acc[k] *= rescale;
     lse_max = new_max;
-    return new_max;
-  }
-
-  // States past the end of the row arrive with lse = -inf: weight zero, skipped.
-  template <typename TIn>
-  __device__ __forceinline__ void fold(const float (&lse)[MERGE_CHUNK], const Pack<TIn, VEC> (&values)[MERGE_CHUNK]) {
-    float chunk_max = negative_infinity();
 #pragma unroll
     for (int j = 0; j < MERGE_CHUNK; ++j) {
-      any_nan |= is_nan(lse[j]);
-      chunk_max = fmaxf(chunk_max, lse[j]);  // fmaxf ignores NaN
-    }
-    if (rebase(chunk_max) == negative_infinity()) return;
-#pragma unroll
-    for (int j = 0; j < MERGE_CHUNK; ++j) {
-      const float weight = expf(lse[j] - lse_max);
+      const float weight = exp_weight(lse[j] - base);
       sum += weight;
       // A state of weight zero adds nothing, even if its values are NaN (an empty split).
-      if (weight != 0.0f) {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) acc[k] = fmaf(weight, to_float(values[j].v[k]), acc[k]);
-      }
+      for (int k = 0; k < VEC; ++k) acc[k] = weight == 0.0f ? acc[k] : fmaf(weight, to_float(values[j].v[k]), acc[k]);
     }
   }
 
@@ -90,18 +85,31 @@ struct Partial {
       row_max = fmaxf(row_max, others[i * stride].lse_max);
     }
     if (row_max == negative_infinity()) return;  // every split empty
-    const float own = expf(lse_max - row_max);     // 0 when this split is empty (its sums are 0)
+    const float own = exp_weight(lse_max - row_max);  // 0 when this split is empty (its sums are 0)
     sum *= own;
 #pragma unroll
     for (int k = 0; k < VEC; ++k) acc[k] *= own;
     for (int i = 0; i < count; ++i) {
       const Partial& other = others[i * stride];
-      const float scale = expf(other.lse_max - row_max);
+      const float scale = exp_weight(other.lse_max - row_max);
       sum = fmaf(other.sum, scale, sum);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) acc[k] = fmaf(other.acc[k], scale, acc[k]);
     }
     lse_max = row_max;
+  }
+
+  // What multiplies acc into the merged values: 1 / sum, 0 for an empty row (no state, or
+  // only empty ones), NaN for a broken one (a NaN LSE, bad offsets). The largest weight is
+  // exp(0) = 1, so sum lies in [1, number of states], where the fast reciprocal and
+  // logarithm are within a few ulp (and measured 0-3 points of copy speed faster, session 7).
+  __device__ __forceinline__ float norm(bool broken) const {
+    return broken ? quiet_nan() : lse_max == negative_infinity() ? 0.0f : __fdividef(1.0f, sum);
+  }
+
+  // The merged LSE in natural log (-inf for an empty row, NaN for a broken one).
+  __device__ __forceinline__ float natural_lse(bool broken) const {
+    return broken ? quiet_nan() : lse_max == negative_infinity() ? negative_infinity() : lse_max + __logf(sum);
   }
 };
 
@@ -140,27 +148,53 @@ __device__ __forceinline__ void natural_chunk_lse(const float (&raw)[MERGE_CHUNK
   for (int j = 0; j < MERGE_CHUNK; ++j) lse[j] = j <= last ? empty_if_inf(raw[j]) * to_natural : negative_infinity();
 }
 
-// Folds the states i0 .. i0 + MERGE_CHUNK - 1 of a row (those before `count`) into
-// `part`. Every load of the chunk is issued before any result is used: no branch
-// separates them (a short chunk re-reads its last state instead), so the chunk
-// costs one memory round trip, not one per state. `column`: the thread's pack in
-// the row's first state; without `has_pack` only the LSEs are read.
+// A chunk of MERGE_CHUNK states of a row as loaded: raw LSEs and value packs.
+template <typename TIn, int VEC>
+struct Chunk {
+  float raw_lse[MERGE_CHUNK];
+  Pack<TIn, VEC> values[MERGE_CHUNK];
+};
+
+// Loads the states i0 .. i0 + MERGE_CHUNK - 1 of a row (a short chunk re-reads its last
+// state: no branch between the loads). `column`: the thread's pack in the row's first
+// state; without `has_pack` only the LSEs are read.
 template <typename TIn, int VEC, typename Index, typename LseStride>
-__device__ __forceinline__ void fold_chunk(Partial<VEC>& part, const float* row_lse, const Pack<TIn, VEC>* column,
-                                           Index i0, Index count, LseStride lse_stride_state, Index pack_stride_state,
-                                           float to_natural, bool has_pack) {
+__device__ __forceinline__ Chunk<TIn, VEC> load_chunk(const float* row_lse, const Pack<TIn, VEC>* column, Index i0,
+                                                      Index count, LseStride lse_stride_state,
+                                                      Index pack_stride_state, bool has_pack) {
   const int last = chunk_last(i0, count);
-  float raw[MERGE_CHUNK];
-  Pack<TIn, VEC> values[MERGE_CHUNK] = {};
+  Chunk<TIn, VEC> chunk = {};
 #pragma unroll
-  for (int j = 0; j < MERGE_CHUNK; ++j) raw[j] = row_lse[(i0 + min(j, last)) * lse_stride_state];
+  for (int j = 0; j < MERGE_CHUNK; ++j) chunk.raw_lse[j] = row_lse[(i0 + min(j, last)) * lse_stride_state];
   if (has_pack) {
 #pragma unroll
-    for (int j = 0; j < MERGE_CHUNK; ++j) values[j] = load_pack(column + (i0 + min(j, last)) * pack_stride_state);
+    for (int j = 0; j < MERGE_CHUNK; ++j) chunk.values[j] = load_pack(column + (i0 + min(j, last)) * pack_stride_state);
   }
-  float chunk_lse[MERGE_CHUNK];
-  natural_chunk_lse(raw, last, to_natural, chunk_lse);
-  part.template fold<TIn>(chunk_lse, values);
+  return chunk;
+}
+
+// Folds a row's chunks starting at states first, first + step, ... (before `count`) into
+// `part`, one memory round trip a chunk. Each chunk is loaded at the bottom of the
+// previous iteration (the first before the loop), so the loop's back edge separates its
+// loads from the LSE arithmetic that uses them: in one block, ptxas schedules the value
+// loads after that arithmetic, and a chunk waits for the LSEs and then for the values
+// (docs/PERF.md, session 7).
+template <typename TIn, int VEC, typename Index, typename LseStride>
+__device__ __forceinline__ void fold_row(Partial<VEC>& part, const float* row_lse, const Pack<TIn, VEC>* column,
+                                         Index first, Index step, Index count, LseStride lse_stride_state,
+                                         Index pack_stride_state, float to_natural, bool has_pack) {
+  if (first >= count) return;
+  Index i0 = first;
+  Chunk<TIn, VEC> chunk = load_chunk(row_lse, column, i0, count, lse_stride_state, pack_stride_state, has_pack);
+#pragma unroll 1
+  while (true) {
+    float lse[MERGE_CHUNK];
+    natural_chunk_lse(chunk.raw_lse, chunk_last(i0, count), to_natural, lse);
+    part.template fold<TIn>(lse, chunk.values);
+    i0 += step;
+    if (i0 >= count) break;
+    chunk = load_chunk(row_lse, column, i0, count, lse_stride_state, pack_stride_state, has_pack);
+  }
 }
 
 // SPLIT: whether the block's z threads share rows (the instantiation without it
@@ -214,10 +248,8 @@ __global__ void merge_many_states(
       const bool has_pack = p < num_packs;
       Partial<VEC> part;
       part.reset();
-#pragma unroll 1
-      for (Index i0 = split * MERGE_CHUNK; i0 < count; i0 += chunk_step) {
-        fold_chunk(part, row_lse, column + p, i0, count, lse_stride_state, pack_stride_state, to_natural, has_pack);
-      }
+      fold_row(part, row_lse, column + p, static_cast<Index>(split * MERGE_CHUNK), chunk_step, count, lse_stride_state,
+               pack_stride_state, to_natural, has_pack);
       if constexpr (SPLIT) {
         // Uniform across the block: every thread reaches both barriers.
         const int slot = threadIdx.y * blockDim.x + threadIdx.x;
@@ -232,18 +264,14 @@ __global__ void merge_many_states(
       if (split != 0 || !token_valid) continue;
       const bool broken = part.any_nan || bad_indptr;
       if (has_pack) {
-        // Empty rows (no state, or only empty ones) give 0; a NaN LSE or bad offsets give NaN.
-        const bool empty = part.lse_max == negative_infinity();
-        const float norm = broken ? quiet_nan() : empty ? 0.0f : 1.0f / part.sum;
+        const float norm = part.norm(broken);
         OutPack merged;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) merged.v[k] = to_output<TOut>(part.acc[k] * norm, inverse_scale);
         store_pack(reinterpret_cast<OutPack*>(out + token * out_stride_token + head * out_stride_head) + p, merged);
       }
       if (out_lse != nullptr && pass == 0 && threadIdx.x == 0) {
-        float merged_lse = part.lse_max == negative_infinity() ? negative_infinity()
-                                                               : (part.lse_max + logf(part.sum)) * from_natural;
-        out_lse[head * out_lse_stride_head + token * out_lse_stride_token] = broken ? quiet_nan() : merged_lse;
+        out_lse[head * out_lse_stride_head + token * out_lse_stride_token] = part.natural_lse(broken) * from_natural;
       }
     }
   }
@@ -257,10 +285,10 @@ namespace cupy_merge {
 // to back (head stride = head_size) in rows that start on a pack, the output
 // too, all offsets fit in 32 bits, and packs are 16 bytes. Thread x of the grid
 // owns output pack x, numbered over (token, head, pack) with no gaps. One memory
-// round trip a chunk of MERGE_CHUNK states (their LSEs and value packs together),
-// folded into a running maximum as in merge_many_states. (Session 4's two passes,
-// the maxima first and then the values, took 1 register fewer but a round trip
-// more a chunk, and measured 1-9 points of copy speed slower: session 6, run 2.)
+// round trip a chunk of MERGE_CHUNK states (their LSEs and value packs together,
+// fold_row), folded into a running maximum as in merge_many_states. (Session 4's
+// two passes, the maxima first and then the values, took 1 register fewer but a
+// round trip more a chunk, and measured 1-9 points of copy speed slower: session 6, run 2.)
 //
 // SPLIT: the block's y threads take every splits-th chunk of a row's states and
 // combine their partial sums in shared memory (many states, few rows).
@@ -306,10 +334,8 @@ __global__ void merge_many_states_packed(
 
   Partial<VEC> part;
   part.reset();
-#pragma unroll 1
-  for (int i0 = split * MERGE_CHUNK; i0 < count; i0 += splits * MERGE_CHUNK) {
-    fold_chunk(part, row_lse, column, i0, count, lse_stride_state, v_stride_state, to_natural, true);
-  }
+  fold_row(part, row_lse, column, split * MERGE_CHUNK, splits * MERGE_CHUNK, count, lse_stride_state, v_stride_state,
+           to_natural, true);
   if constexpr (SPLIT) {
     // Uniform across the block: every thread reaches the barrier.
     if (split > 0) shared_partials[(split - 1) * blockDim.x + threadIdx.x] = part;
@@ -322,9 +348,7 @@ __global__ void merge_many_states_packed(
   }
   const bool writes = valid && split == 0;
   const bool broken = part.any_nan || bad_indptr;
-  // Empty rows (no state, or only empty ones) give 0; a NaN LSE or bad offsets give NaN.
-  const bool empty = part.lse_max == negative_infinity();
-  const float norm = broken ? quiet_nan() : empty ? 0.0f : 1.0f / part.sum;
+  const float norm = part.norm(broken);
   float merged[VEC];
 #pragma unroll
   for (int k = 0; k < VEC; ++k) merged[k] = part.acc[k] * norm;
@@ -346,8 +370,8 @@ __global__ void merge_many_states_packed(
   }
   store_pack(reinterpret_cast<OutPack*>(out) + token * out_stride_token + within, output_pack<TOut>(merged, inverse_scale));
   if (out_lse != nullptr && within == head * packs_per_row) {
-    const float merged_lse = empty ? negative_infinity() : (part.lse_max + logf(part.sum)) * lse_from_natural(lse_base_2);
-    out_lse[head * out_lse_stride_head + token * out_lse_stride_token] = broken ? quiet_nan() : merged_lse;
+    out_lse[head * out_lse_stride_head + token * out_lse_stride_token] =
+        part.natural_lse(broken) * lse_from_natural(lse_base_2);
   }
 }
 
