@@ -45,6 +45,7 @@ MANY_VARIANTS = {
     "packed": {},
     "head-blocks": {"PACKED_MANY_THREADS": 64, "MIN_ROW_THREADS": 16},
     "chunk8": {"MERGE_CHUNK": 8, "COMPILE_OPTIONS": ("-std=c++17", "-DMERGE_CHUNK=8")},
+    "busy2x": {"BUSY_THREADS": 2 * _plan.BUSY_THREADS},  # twice the splits where rows are few
 }
 
 
