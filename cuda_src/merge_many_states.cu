@@ -176,9 +176,9 @@ __device__ __forceinline__ Chunk<TIn, VEC> load_chunk(const float* row_lse, cons
 // Folds a row's chunks starting at states first, first + step, ... (before `count`) into
 // `part`, one memory round trip a chunk. Each chunk is loaded at the bottom of the
 // previous iteration (the first before the loop), so the loop's back edge separates its
-// loads from the LSE arithmetic that uses them: in one block, ptxas schedules the value
-// loads after that arithmetic, and a chunk waits for the LSEs and then for the values
-// (docs/PERF.md, session 7).
+// loads from the LSE arithmetic that uses them. With loads and arithmetic in one basic
+// block, ptxas scheduled the value loads after the arithmetic, and each chunk waited for
+// the LSEs and then for the values (docs/PERF.md, session 7).
 template <typename TIn, int VEC, typename Index, typename LseStride>
 __device__ __forceinline__ void fold_row(Partial<VEC>& part, const float* row_lse, const Pack<TIn, VEC>* column,
                                          Index first, Index step, Index count, LseStride lse_stride_state,
