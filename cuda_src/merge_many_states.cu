@@ -75,28 +75,44 @@ struct Partial {
     }
   }
 
-  // Folds in the partials of the row's other splits (`count` of them, `stride` apart in
-  // shared memory). Their common maximum comes first, so that each split's weight is
-  // independent of the others': no chain of rescales through the splits.
+  // Folds in the partials of the row's other splits (`count` of them, `stride` apart in shared
+  // memory), MERGE_CHUNK at a time as fold takes states: a chunk's shared-memory loads issue
+  // together, then one rescale. Split 0 runs this alone after the barrier, so where rows are
+  // few it is on the critical path: one partial at a time, maxima first, it was a chain of
+  // dependent loads and exponentials (docs/PERF.md, session 8). Slots past `count` are empty
+  // partials (weight zero).
   __device__ __forceinline__ void combine(const Partial* others, int count, int stride) {
-    float row_max = lse_max;
-    for (int i = 0; i < count; ++i) {
-      any_nan |= others[i * stride].any_nan;
-      row_max = fmaxf(row_max, others[i * stride].lse_max);
-    }
-    if (row_max == negative_infinity()) return;  // every split empty
-    const float own = exp_weight(lse_max - row_max);  // 0 when this split is empty (its sums are 0)
-    sum *= own;
+#pragma unroll 1
+    for (int i0 = 0; i0 < count; i0 += MERGE_CHUNK) {
+      Partial chunk[MERGE_CHUNK];
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) acc[k] *= own;
-    for (int i = 0; i < count; ++i) {
-      const Partial& other = others[i * stride];
-      const float scale = exp_weight(other.lse_max - row_max);
-      sum = fmaf(other.sum, scale, sum);
+      for (int j = 0; j < MERGE_CHUNK; ++j) {
+        if (i0 + j < count) {
+          chunk[j] = others[(i0 + j) * stride];
+        } else {
+          chunk[j].reset();
+        }
+      }
+      float new_max = lse_max;
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) acc[k] = fmaf(other.acc[k], scale, acc[k]);
+      for (int j = 0; j < MERGE_CHUNK; ++j) {
+        any_nan |= chunk[j].any_nan;
+        new_max = fmaxf(new_max, chunk[j].lse_max);
+      }
+      const float base = new_max == negative_infinity() ? 0.0f : new_max;  // as in fold
+      const float rescale = exp_weight(lse_max - base);
+      sum *= rescale;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) acc[k] *= rescale;
+      lse_max = new_max;
+#pragma unroll
+      for (int j = 0; j < MERGE_CHUNK; ++j) {
+        const float weight = exp_weight(chunk[j].lse_max - base);  // 0 for an empty partial (its sums are 0)
+        sum = fmaf(chunk[j].sum, weight, sum);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) acc[k] = fmaf(chunk[j].acc[k], weight, acc[k]);
+      }
     }
-    lse_max = row_max;
   }
 
   // What multiplies acc into the merged values: 1 / sum, 0 for an empty row (no state, or
@@ -170,15 +186,20 @@ __device__ __forceinline__ Chunk<TIn, VEC> load_chunk(const float* row_lse, cons
 #pragma unroll
     for (int j = 0; j < MERGE_CHUNK; ++j) chunk.values[j] = load_pack(column + (i0 + min(j, last)) * pack_stride_state);
   }
+  // ptxas does not move memory operations across a warp barrier, so every load of the chunk
+  // issues before the arithmetic that uses the LSEs. Without it, ptxas issued three of the
+  // four value loads after that arithmetic whenever the kernel around it changed enough:
+  // two round trips a chunk, 1-3 % slower (docs/PERF.md, sessions 7 and 8). The threads
+  // that reach this point together (a warp may split over rows of different lengths).
+  __syncwarp(__activemask());
   return chunk;
 }
 
 // Folds a row's chunks starting at states first, first + step, ... (before `count`) into
-// `part`, one memory round trip a chunk. Each chunk is loaded at the bottom of the
-// previous iteration (the first before the loop), so the loop's back edge separates its
-// loads from the LSE arithmetic that uses them. With loads and arithmetic in one basic
-// block, ptxas scheduled the value loads after the arithmetic, and each chunk waited for
-// the LSEs and then for the values (docs/PERF.md, session 7).
+// `part`, one memory round trip a chunk: a chunk is loaded at the bottom of the previous
+// iteration (the first before the loop), its loads kept together by load_chunk's barrier.
+// (Issuing the next chunk's loads before folding the current one took 97 registers
+// instead of 48 and measured 3-20 % slower: docs/PERF.md, session 8.)
 template <typename TIn, int VEC, typename Index, typename LseStride>
 __device__ __forceinline__ void fold_row(Partial<VEC>& part, const float* row_lse, const Pack<TIn, VEC>* column,
                                          Index first, Index step, Index count, LseStride lse_stride_state,
@@ -292,30 +313,42 @@ namespace cupy_merge {
 //
 // SPLIT: the block's y threads take every splits-th chunk of a row's states and
 // combine their partial sums in shared memory (many states, few rows).
+// RAGGED: rows come from indptr (the dense instantiation never reads it).
 // GROUPED: an FP8 output with a scale per group of packs, as in
 // merge_two_states_packed (the group maxima follow the partials in shared memory).
 // Strides of v and out are in packs, of lse and group scales in elements. Dense
 // and ragged as for merge_many_states (ragged: the token strides are 0).
-template <typename TIn, typename TOut, int VEC, bool SPLIT, bool GROUPED>
+//
+// Parameter order: a parameter is read from the constant bank, and the first read of
+// each 64-byte line misses the constant cache, the warp waiting out one miss after
+// another (at one token, three misses before the first load took 175 of 1110 stall
+// samples: docs/PERF.md, session 8). So what a dense launch reads comes first, in
+// 108 bytes: on Hopper parameters start at c[0x0][0x210], and these fill the rest of
+// the line that also holds the memory descriptor (which the first load reads anyway)
+// and the next line. The block's shape is among them (`block_packs` = blockDim.x,
+// `block_splits` = blockDim.y): blockDim lives in yet another line. The FP8 scale, the
+// ragged offsets and the group geometry follow.
+template <typename TIn, typename TOut, int VEC, bool SPLIT, bool RAGGED, bool GROUPED>
 __global__ void merge_many_states_packed(
-    TOut* out, float* out_lse, const float* out_scale, const TIn* v, const float* lse,
-    const void* indptr, int indptr_bytes, int indptr_stride,
+    const TIn* v, const float* lse,
     int num_states, int total_packs, int packs_per_token, unsigned token_multiplier, unsigned token_shift,
-    int packs_per_row, unsigned head_multiplier, unsigned head_shift,
-    int out_stride_token, int v_stride_state, int v_stride_token,
-    int out_lse_stride_head, int out_lse_stride_token,
-    int lse_stride_state, int lse_stride_head, int lse_stride_token,
+    unsigned head_multiplier, unsigned head_shift, int v_stride_state,
+    TOut* out, float* out_lse,
+    int v_stride_token, int lse_stride_state, int lse_stride_head, int lse_stride_token,
+    int block_packs, int block_splits,
+    int packs_per_row, int out_stride_token, int out_lse_stride_head, int out_lse_stride_token,
     int lse_base_2,
+    const float* out_scale, const void* indptr, int indptr_bytes, int indptr_stride,
     float* out_group_scale, int group_stride_token, int group_stride_group,
     int packs_per_group, unsigned group_multiplier, unsigned group_shift, int scale_ue8m0) {
   using InPack = Pack<TIn, VEC>;
   using OutPack = Pack<TOut, VEC>;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
-  Partial<VEC>* shared_partials = reinterpret_cast<Partial<VEC>*>(shared_bytes);  // [splits - 1][blockDim.x]
-  const int split = SPLIT ? threadIdx.y : 0, splits = SPLIT ? blockDim.y : 1;
+  Partial<VEC>* shared_partials = reinterpret_cast<Partial<VEC>*>(shared_bytes);  // [splits - 1][block_packs]
+  const int split = SPLIT ? threadIdx.y : 0, splits = SPLIT ? block_splits : 1;
   const float to_natural = lse_to_natural(lse_base_2);
 
-  const int p = blockIdx.x * blockDim.x + threadIdx.x;
+  const int p = blockIdx.x * block_packs + threadIdx.x;
   const bool valid = p < total_packs;
   const int token = valid ? fast_divide(p, token_multiplier, token_shift) : 0;
   const int within = p - token * packs_per_token;
@@ -323,11 +356,13 @@ __global__ void merge_many_states_packed(
 
   int first = 0, count = valid ? num_states : 0;
   bool bad_indptr = false;
-  if (indptr != nullptr && valid) {
-    const RaggedRow row = ragged_row(indptr, indptr_bytes, indptr_stride, token, num_states);
-    first = static_cast<int>(row.first);  // within num_states, which fits in int here
-    count = static_cast<int>(row.count);
-    bad_indptr = row.bad;
+  if constexpr (RAGGED) {
+    if (valid) {
+      const RaggedRow row = ragged_row(indptr, indptr_bytes, indptr_stride, token, num_states);
+      first = static_cast<int>(row.first);  // within num_states, which fits in int here
+      count = static_cast<int>(row.count);
+      bad_indptr = row.bad;
+    }
   }
   const float* row_lse = lse + first * lse_stride_state + head * lse_stride_head + token * lse_stride_token;
   const InPack* column = reinterpret_cast<const InPack*>(v) + first * v_stride_state + token * v_stride_token + within;
@@ -338,10 +373,10 @@ __global__ void merge_many_states_packed(
            to_natural, true);
   if constexpr (SPLIT) {
     // Uniform across the block: every thread reaches the barrier.
-    if (split > 0) shared_partials[(split - 1) * blockDim.x + threadIdx.x] = part;
+    if (split > 0) shared_partials[(split - 1) * block_packs + threadIdx.x] = part;
     __syncthreads();
     if (split == 0) {
-      part.combine(shared_partials + threadIdx.x, splits - 1, blockDim.x);
+      part.combine(shared_partials + threadIdx.x, splits - 1, block_packs);
     } else if constexpr (!GROUPED) {
       return;
     }
@@ -355,7 +390,7 @@ __global__ void merge_many_states_packed(
   float inverse_scale;
   if constexpr (GROUPED) {
     // Every thread reaches the group's barriers; only split 0's valid rows count.
-    unsigned* group_max = reinterpret_cast<unsigned*>(shared_partials + (splits - 1) * blockDim.x);
+    unsigned* group_max = reinterpret_cast<unsigned*>(shared_partials + (splits - 1) * block_packs);
     const int slot = fast_divide(threadIdx.x, group_multiplier, group_shift);
     const bool leader = split == 0 && threadIdx.x == slot * packs_per_group;
     const float scale = fp8_group_scale(group_abs_max(merged, group_max, slot, leader, writes), scale_ue8m0);

@@ -75,8 +75,8 @@ def _cpp(value: object) -> str:
     return str(value)
 
 
-#: The packed kernels' numbering of output packs over (token, head, pack), in both
-#: families' parameter order (``_plan._packed_geometry`` fills them).
+#: The packed kernels' numbering of output packs over (token, head, pack)
+#: (``_plan._packed_geometry`` fills them).
 PACKED_GEOMETRY = (
     "total_packs", "packs_per_token", "token_multiplier", "token_shift",
     "packs_per_row", "head_multiplier", "head_shift",
@@ -130,16 +130,22 @@ MANY_STRIDED = KernelFamily(
     ),
 )  # fmt: skip
 
+#: Parameters in the order of the constant-cache lines they are read from (the kernel's
+#: comment says why): what a dense launch reads, then the FP8 scale, ragged offsets and groups.
 MANY_PACKED = KernelFamily(
     MANY_STATES_SOURCE,
     "merge_many_states_packed",
-    ("TIn", "TOut", "VEC", "SPLIT", "GROUPED"),
+    ("TIn", "TOut", "VEC", "SPLIT", "RAGGED", "GROUPED"),
     (
-        "out", "out_lse", "out_scale", "v", "lse", "indptr", "indptr_bytes", "indptr_stride",
-        "num_states", *PACKED_GEOMETRY,
-        "out_stride_token", "v_stride_state", "v_stride_token",
-        "out_lse_stride_head", "out_lse_stride_token",
-        "lse_stride_state", "lse_stride_head", "lse_stride_token", "lse_base_2",
+        "v", "lse",
+        "num_states", "total_packs", "packs_per_token", "token_multiplier", "token_shift",
+        "head_multiplier", "head_shift", "v_stride_state",
+        "out", "out_lse",
+        "v_stride_token", "lse_stride_state", "lse_stride_head", "lse_stride_token",
+        "block_packs", "block_splits",
+        "packs_per_row", "out_stride_token", "out_lse_stride_head", "out_lse_stride_token",
+        "lse_base_2",
+        "out_scale", "indptr", "indptr_bytes", "indptr_stride",
         *GROUP_SCALES,
     ),
 )  # fmt: skip
@@ -228,9 +234,10 @@ def module_instances(module: Module) -> list[str]:
         for split in (False, True)
         for index in INDEX_TYPES
     ] + [
-        MANY_PACKED.instance(TIn=a, TOut=b, VEC=vec, SPLIT=split, GROUPED=group)
+        MANY_PACKED.instance(TIn=a, TOut=b, VEC=vec, SPLIT=split, RAGGED=ragged, GROUPED=group)
         for vec, group in grouped
         for split in (False, True)
+        for ragged in (False, True)
     ]
 
 

@@ -397,12 +397,14 @@ def plan_many_states(
             "TOut": out.dtype,
             "VEC": vec,
             "SPLIT": splits > 1,
+            "RAGGED": indptr is not None,
             "GROUPED": grouped,
         }
         shared = (splits - 1) * threads_x * _partial_bytes(vec)
         if grouped:
             shared += 4 * (threads_x // group["packs_per_group"])
-        args = {**common, **geometry, **strides, **group, "scale_ue8m0": options.scale_ue8m0}
+        block_shape = {"block_packs": threads_x, "block_splits": splits}
+        args = {**common, **geometry, **strides, **group, **block_shape, "scale_ue8m0": options.scale_ue8m0}
         return _plan(cat.MANY_PACKED, module, template, grid, (threads_x, splits, 1), shared, args)
 
     threads_x, rows_y = choose_block(packs_per_row, num_tokens)
