@@ -46,6 +46,20 @@ struct Partial {
     any_nan = false;
   }
 
+  // Moves the running sums to a new maximum (not below the old one) and returns the base that
+  // incoming weights are taken against. While every state so far is empty the maximum is
+  // -inf; 0 stands in for it then, so that no weight is exp(-inf - -inf) = NaN (the sums are
+  // 0 and stay 0).
+  __device__ __forceinline__ float rebase(float new_max) {
+    const float base = new_max == negative_infinity() ? 0.0f : new_max;
+    const float rescale = exp_weight(lse_max - base);  // exp(-inf) = 0 the first time
+    sum *= rescale;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[k] *= rescale;
+    lse_max = new_max;
+    return base;
+  }
+
   // Adds a chunk of states; those past the end of the row arrive with lse = -inf (weight zero).
   // Branch-free (selects, no early return): 0.3-2 points of copy speed faster than the same
   // fold with branches (docs/PERF.md, session 7, run 5).
@@ -57,14 +71,7 @@ struct Partial {
       any_nan |= is_nan(lse[j]);
       new_max = fmaxf(new_max, lse[j]);  // fmaxf ignores NaN
     }
-    // While every state so far is empty the maximum is -inf; 0 stands in for it then, so that
-    // no weight is exp(-inf - -inf) = NaN (the sums are 0 and stay 0).
-    const float base = new_max == negative_infinity() ? 0.0f : new_max;
-    const float rescale = exp_weight(lse_max - base);  // exp(-inf) = 0 the first time
-    sum *= rescale;
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) acc[k] *= rescale;
-    lse_max = new_max;
+    const float base = rebase(new_max);
 #pragma unroll
     for (int j = 0; j < MERGE_CHUNK; ++j) {
       const float weight = exp_weight(lse[j] - base);
@@ -99,12 +106,7 @@ struct Partial {
         any_nan |= chunk[j].any_nan;
         new_max = fmaxf(new_max, chunk[j].lse_max);
       }
-      const float base = new_max == negative_infinity() ? 0.0f : new_max;  // as in fold
-      const float rescale = exp_weight(lse_max - base);
-      sum *= rescale;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) acc[k] *= rescale;
-      lse_max = new_max;
+      const float base = rebase(new_max);
 #pragma unroll
       for (int j = 0; j < MERGE_CHUNK; ++j) {
         const float weight = exp_weight(chunk[j].lse_max - base);  // 0 for an empty partial (its sums are 0)
