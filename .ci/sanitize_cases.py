@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy
 
 import cupy_merge as cm
-from cupy_merge import _dispatch, _plan, reference
+from cupy_merge import _tuning, reference
 
 rng = numpy.random.default_rng(6)
 failures = []
@@ -60,11 +60,8 @@ def dense_and_ragged(kind):
 
 
 for packed in (True, False):
-    _plan.PACKED_KERNELS = packed
-    _dispatch._calls.clear()
-    dense_and_ragged("packed" if packed else "strided")
-_plan.PACKED_KERNELS = True
-_dispatch._calls.clear()
+    with _tuning.use(_tuning.DEFAULT.replace(packed_kernels=packed)):
+        dense_and_ragged("packed" if packed else "strided")
 
 # FP8 with group scales over split rows: the group barriers follow the split combine.
 v, s = random_states(16, 2, 32, 128, lse_shape=(16, 32, 2))

@@ -21,12 +21,16 @@
 // [first_head, first_head + out_heads) into out_lse [out_heads, num_tokens].
 // Empty LSEs (-inf, or +inf as FlashAttention-2 marks them) weigh 0 and add
 // exactly 0; a row empty on every rank gives 0 and -inf; a NaN LSE on any rank
-// makes the row NaN on every rank.
+// makes the row NaN on every rank. Sinks (optional, float32 [num_heads], natural
+// log): each head's sink enters the denominator once, on every rank alike, so the
+// sum over ranks counts it once.
 //
 // Launch: block (threads_x, rows_y): rows_y (token, head) rows at a time,
 // numbered head-fastest, threads_x threads striding over a row in packs of VEC
 // elements (16 bytes where the host found every row aligned, else 1 element).
-#include "numerics.cuh"
+#include "conversions.cuh"
+#include "packs.cuh"
+#include "grid.cuh"
 
 namespace cupy_merge {
 
@@ -37,6 +41,8 @@ __global__ void pack_states(
     long long chunk_bytes, long long lse_offset,
     long long v_stride_token, long long v_stride_head, long long lse_stride_head, long long lse_stride_token) {
   using P = Pack<T, VEC>;
+  launch_dependents();
+  wait_for_inputs();
   const long long rows = num_tokens * num_heads, packs = head_size / VEC;
   for (long long row = static_cast<long long>(blockIdx.x) * blockDim.y + threadIdx.y; row < rows;
        row += static_cast<long long>(gridDim.x) * blockDim.y) {
@@ -59,8 +65,10 @@ __global__ void scale_for_sum(
     long long world, long long rank, long long num_tokens, long long num_heads, long long head_size,
     long long heads_per_shard, long long chunk_elements, long long first_head, long long out_heads,
     long long v_stride_token, long long v_stride_head, long long out_lse_stride_head, long long out_lse_stride_token,
-    long long lse_base_2) {
+    long long lse_base_2, const float* sinks, long long sinks_stride) {
   using P = Pack<T, VEC>;
+  launch_dependents();
+  wait_for_inputs();
   const float to_natural = lse_to_natural(lse_base_2);
   const long long rows = num_tokens * num_heads, packs = head_size / VEC;
   const long long rank_stride = num_heads * num_tokens;  // rank r's LSE at r * rank_stride
@@ -68,8 +76,9 @@ __global__ void scale_for_sum(
        row += static_cast<long long>(gridDim.x) * blockDim.y) {
     const long long token = row / num_heads, head = row - token * num_heads;
     const float* column = gathered_lse + head * num_tokens + token;
-    float lse_max = negative_infinity();
-    bool any_nan = false;
+    const float sink = sinks == nullptr ? negative_infinity() : sinks[head * sinks_stride];
+    float lse_max = sink == positive_infinity() ? negative_infinity() : sink;  // a +inf sink: below
+    bool any_nan = is_nan(sink);
     for (long long r = 0; r < world; ++r) {
       const float s = empty_if_inf(column[r * rank_stride]) * to_natural;
       any_nan |= is_nan(s);
@@ -82,9 +91,11 @@ __global__ void scale_for_sum(
         total += weight;
         if (r == rank) own = weight;
       }
+      total += expf(sink - lse_max);  // 0 without a sink
     }
-    // Empty everywhere: weight 0; a NaN anywhere: NaN.
-    const float weight = any_nan ? quiet_nan() : total == 0.0f ? 0.0f : own / total;
+    // Empty everywhere: weight 0; a NaN anywhere: NaN; a +inf sink takes all the weight.
+    const bool sink_takes_all = sink == positive_infinity();
+    const float weight = any_nan ? quiet_nan() : (total == 0.0f || sink_takes_all) ? 0.0f : own / total;
     const long long shard = head / heads_per_shard, shard_head = head - shard * heads_per_shard;
     P* to = reinterpret_cast<P*>(scaled + shard * chunk_elements + (token * heads_per_shard + shard_head) * head_size);
     const P* from = reinterpret_cast<const P*>(v + token * v_stride_token + head * v_stride_head);
@@ -99,9 +110,10 @@ __global__ void scale_for_sum(
       store_pack(to + p, y);
     }
     if (threadIdx.x == 0 && head >= first_head && head < first_head + out_heads) {
-      const float merged = any_nan ? quiet_nan()
-                           : total == 0.0f ? negative_infinity()
-                                           : (lse_max + logf(total)) * lse_from_natural(lse_base_2);
+      const float merged = any_nan          ? quiet_nan()
+                           : sink_takes_all ? positive_infinity()
+                           : total == 0.0f  ? negative_infinity()
+                                            : (lse_max + logf(total)) * lse_from_natural(lse_base_2);
       out_lse[(head - first_head) * out_lse_stride_head + token * out_lse_stride_token] = merged;
     }
   }

@@ -8,9 +8,11 @@
 // Ragged (indptr given, int32 or int64, num_tokens + 1 entries): token t merges
 // rows indptr[t] .. indptr[t+1]-1; the token strides are then 0 and
 //   v    [total_states, num_heads, head_size],  lse [num_heads, total_states].
-// Out-of-range indptr entries (negative, decreasing, past total_states) give a
-// NaN row; the host checks them first unless told not to.
+// Out-of-range indptr entries (negative, decreasing, past total_states, more than
+// kMaxStatesPerToken states) give a NaN row; the host checks them first unless told not to.
 // Output: out [num_tokens, num_heads, head_size] TOut, out_lse [num_heads, num_tokens].
+// Sinks (SINKS): float32 [num_heads] natural-log logits, each a state of value 0 counted
+// once in its head's denominator (split 0 folds it in after the states).
 //
 // Two kernels: merge_many_states_packed (at the end) for the common layouts,
 // one thread a 16-byte pack of the output; merge_many_states for everything
@@ -23,13 +25,21 @@
 // sum and weighted sum (online softmax). With splits > 1 the partial results
 // meet in shared memory and split 0 combines them: many states, or few tokens,
 // still give every multiprocessor enough loads in flight.
-#include "numerics.cuh"
+#include "conversions.cuh"
+#include "packs.cuh"
+#include "grid.cuh"
+#include "fp8.cuh"
 
 #ifndef MERGE_CHUNK
 #define MERGE_CHUNK 4
 #endif
 
 namespace cupy_merge {
+
+// The most states a token merges: float32 sums of more drift out of the inputs' range
+// (a sum of 2^16 equal terms is off by up to 7e-4 of its value; the host refuses more,
+// cupy_merge/_catalogue.py MAX_STATES_PER_TOKEN).
+constexpr long long kMaxStatesPerToken = 65536;
 
 template <int VEC>
 struct Partial {
@@ -49,13 +59,14 @@ struct Partial {
   // Moves the running sums to a new maximum (not below the old one) and returns the base that
   // incoming weights are taken against. While every state so far is empty the maximum is
   // -inf; 0 stands in for it then, so that no weight is exp(-inf - -inf) = NaN (the sums are
-  // 0 and stay 0).
+  // 0 and stay 0). States whose weight underflows to 0 against the new maximum are dropped,
+  // not multiplied by 0: their values may be NaN (an empty split marked with a tiny LSE).
   __device__ __forceinline__ float rebase(float new_max) {
     const float base = new_max == negative_infinity() ? 0.0f : new_max;
     const float rescale = exp_weight(lse_max - base);  // exp(-inf) = 0 the first time
     sum *= rescale;
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) acc[k] *= rescale;
+    for (int k = 0; k < VEC; ++k) acc[k] = rescale == 0.0f ? 0.0f : acc[k] * rescale;
     lse_max = new_max;
     return base;
   }
@@ -112,9 +123,24 @@ struct Partial {
         const float weight = exp_weight(chunk[j].lse_max - base);  // 0 for an empty partial (its sums are 0)
         sum = fmaf(chunk[j].sum, weight, sum);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) acc[k] = fmaf(chunk[j].acc[k], weight, acc[k]);
+        for (int k = 0; k < VEC; ++k) acc[k] = weight == 0.0f ? acc[k] : fmaf(chunk[j].acc[k], weight, acc[k]);
       }
     }
+  }
+
+  // Folds in an attention sink: a state of value 0 and LSE `sink` (natural log). -inf is no
+  // sink; NaN breaks the row; +inf takes all the weight (values 0, LSE +inf).
+  __device__ __forceinline__ void add_sink(float sink) {
+    const bool broken = any_nan || is_nan(sink);
+    if (sink == positive_infinity()) {
+      reset();
+      lse_max = sink;
+      sum = 1.0f;
+    }
+    any_nan = broken;
+    if (sink == positive_infinity()) return;
+    const float base = rebase(fmaxf(lse_max, sink));
+    sum += exp_weight(sink - base);
   }
 
   // What multiplies acc into the merged values: 1 / sum, 0 for an empty row (no state, or
@@ -133,7 +159,8 @@ struct Partial {
 
 // A ragged token's rows [first, first + count) from indptr (int32 or int64 entries).
 // Read and checked at full width, so a huge offset cannot wrap into range;
-// out-of-range offsets (negative, decreasing, past num_states) give no rows and `bad`.
+// out-of-range offsets (negative, decreasing, past num_states, more than kMaxStatesPerToken
+// rows) give no rows and `bad`.
 struct RaggedRow {
   long long first, count;
   bool bad;
@@ -149,7 +176,7 @@ __device__ __forceinline__ RaggedRow ragged_row(const void* indptr, long long in
     begin = static_cast<const int*>(indptr)[token * indptr_stride];
     end = static_cast<const int*>(indptr)[(token + 1) * indptr_stride];
   }
-  const bool bad = begin < 0 || end < begin || end > num_states;
+  const bool bad = begin < 0 || end < begin || end > num_states || end - begin > kMaxStatesPerToken;
   return {bad ? 0 : begin, bad ? 0 : end - begin, bad};
 }
 
@@ -224,18 +251,19 @@ __device__ __forceinline__ void fold_row(Partial<VEC>& part, const float* row_ls
 // has no barrier or shared memory at all; blockDim.z is then 1). Index: the
 // integer type of element offsets, int when the host found that every offset
 // fits (fewer registers: more threads resident, more loads in flight), else long long.
-template <typename TIn, typename TOut, int VEC, bool SPLIT, typename Index>
+template <typename TIn, typename TOut, int VEC, bool SPLIT, typename Index, bool SINKS>
 __global__ void merge_many_states(
-    TOut* out, float* out_lse, const float* out_scale, const TIn* v, const float* lse,
+    TOut* out, float* out_lse, const float* output_scale, const TIn* v, const float* lse,
     const void* indptr, long long indptr_bytes, long long indptr_stride,
     long long num_states, long long num_tokens, long long num_heads, long long head_size,
     long long out_stride_token, long long out_stride_head,
     long long v_stride_state, long long v_stride_token, long long v_stride_head,
     long long out_lse_stride_head, long long out_lse_stride_token,
     long long lse_stride_state, long long lse_stride_head, long long lse_stride_token,
-    long long lse_base_2) {
+    long long lse_base_2, const float* sinks, int sinks_stride) {
   using InPack = Pack<TIn, VEC>;
   using OutPack = Pack<TOut, VEC>;
+  launch_dependents();
   // Partials of splits 1.. for split 0 to combine: [splits - 1][rows_y][threads_x].
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   Partial<VEC>* shared_partials = reinterpret_cast<Partial<VEC>*>(shared_bytes);
@@ -244,15 +272,17 @@ __global__ void merge_many_states(
   const Index pack_stride_state = v_stride_state / VEC;  // the host checks divisibility
   const float to_natural = lse_to_natural(lse_base_2);
   const float from_natural = lse_from_natural(lse_base_2);
-  const float inverse_scale = output_inverse_scale<TOut>(out_scale);
   const Index work_items = (num_tokens + blockDim.y - 1) / blockDim.y * num_heads;
   // A thread covers packs x, x + threads_x, ...; with head_size 0 one pass still computes the LSE.
   const Index passes = num_packs == 0 ? 1 : (num_packs + blockDim.x - 1) / blockDim.x;
+  wait_for_inputs();
+  const float inverse_scale = output_inverse_scale<TOut>(output_scale);
 
   for (Index work = blockIdx.x; work < work_items; work += gridDim.x) {
     const Index head = block_head(work, num_heads);
     const Index token = block_token_block(work, num_heads) * blockDim.y + threadIdx.y;
     const bool token_valid = token < num_tokens;
+    const float sink = sink_logit<SINKS>(sinks, sinks_stride, head);
 
     Index first = 0, count = token_valid ? num_states : 0;
     bool bad_indptr = false;
@@ -285,6 +315,7 @@ __global__ void merge_many_states(
         __syncthreads();  // the slots are reused by the next pass
       }
       if (split != 0 || !token_valid) continue;
+      if constexpr (SINKS) part.add_sink(sink);
       const bool broken = part.any_nan || bad_indptr;
       if (has_pack) {
         const float norm = part.norm(broken);
@@ -330,7 +361,7 @@ namespace cupy_merge {
 // and the next line. The block's shape is among them (`block_packs` = blockDim.x,
 // `block_splits` = blockDim.y): blockDim lives in yet another line. The FP8 scale, the
 // ragged offsets and the group geometry follow.
-template <typename TIn, typename TOut, int VEC, bool SPLIT, bool RAGGED, bool GROUPED>
+template <typename TIn, typename TOut, int VEC, bool SPLIT, bool RAGGED, bool GROUPED, bool SINKS>
 __global__ void merge_many_states_packed(
     const TIn* v, const float* lse,
     int num_states, int total_packs, int packs_per_token, unsigned token_multiplier, unsigned token_shift,
@@ -340,11 +371,13 @@ __global__ void merge_many_states_packed(
     int block_packs, int block_splits,
     int packs_per_row, int out_stride_token, int out_lse_stride_head, int out_lse_stride_token,
     int lse_base_2,
-    const float* out_scale, const void* indptr, int indptr_bytes, int indptr_stride,
-    float* out_group_scale, int group_stride_token, int group_stride_group,
-    int packs_per_group, unsigned group_multiplier, unsigned group_shift, int scale_ue8m0) {
+    const float* output_scale, const void* indptr, int indptr_bytes, int indptr_stride,
+    float* output_block_scale, int block_scale_stride_token, int block_scale_stride_group,
+    int packs_per_group, unsigned group_multiplier, unsigned group_shift, int scale_ue8m0,
+    const float* sinks, int sinks_stride) {
   using InPack = Pack<TIn, VEC>;
   using OutPack = Pack<TOut, VEC>;
+  launch_dependents();
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   Partial<VEC>* shared_partials = reinterpret_cast<Partial<VEC>*>(shared_bytes);  // [splits - 1][block_packs]
   const int split = SPLIT ? threadIdx.y : 0, splits = SPLIT ? block_splits : 1;
@@ -352,9 +385,12 @@ __global__ void merge_many_states_packed(
 
   const int p = blockIdx.x * block_packs + threadIdx.x;
   const bool valid = p < total_packs;
-  const int token = valid ? fast_divide(p, token_multiplier, token_shift) : 0;
-  const int within = p - token * packs_per_token;
-  const int head = fast_divide(within, head_multiplier, head_shift);
+  const PackPosition at =
+      pack_position(p, valid, packs_per_token, token_multiplier, token_shift, head_multiplier, head_shift);
+  const int token = at.token, within = at.within, head = at.head;
+  wait_for_inputs();
+  // Loaded now, used after the states: its round trip hides behind theirs.
+  const float sink = valid && split == 0 ? sink_logit<SINKS>(sinks, sinks_stride, head) : negative_infinity();
 
   int first = 0, count = valid ? num_states : 0;
   bool bad_indptr = false;
@@ -384,6 +420,7 @@ __global__ void merge_many_states_packed(
     }
   }
   const bool writes = valid && split == 0;
+  if constexpr (SINKS) part.add_sink(sink);
   const bool broken = part.any_nan || bad_indptr;
   const float norm = part.norm(broken);
   float merged[VEC];
@@ -393,17 +430,13 @@ __global__ void merge_many_states_packed(
   if constexpr (GROUPED) {
     // Every thread reaches the group's barriers; only split 0's valid rows count.
     unsigned* group_max = reinterpret_cast<unsigned*>(shared_partials + (splits - 1) * block_packs);
-    const int slot = fast_divide(threadIdx.x, group_multiplier, group_shift);
-    const bool leader = split == 0 && threadIdx.x == slot * packs_per_group;
-    const float scale = fp8_group_scale(group_abs_max(merged, group_max, slot, leader, writes), scale_ue8m0);
+    const BlockScales scales = {output_block_scale, block_scale_stride_token, block_scale_stride_group,
+                                packs_per_group, group_multiplier, group_shift, scale_ue8m0};
+    inverse_scale = quantise_group(merged, scales, group_max, writes, split == 0, token, within);
     if (!writes) return;
-    inverse_scale = 1.0f / scale;
-    if (leader) {
-      out_group_scale[token * group_stride_token + fast_divide(within, group_multiplier, group_shift) * group_stride_group] = scale;
-    }
   } else {
     if (!writes) return;
-    inverse_scale = output_inverse_scale<TOut>(out_scale);
+    inverse_scale = output_inverse_scale<TOut>(output_scale);
   }
   store_pack(reinterpret_cast<OutPack*>(out) + token * out_stride_token + within, output_pack<TOut>(merged, inverse_scale));
   if (out_lse != nullptr && within == head * packs_per_row) {

@@ -1,23 +1,34 @@
-"""``python -m cupy_merge`` (also the ``cupy-merge`` command): self-check, environment, ahead-of-time compile."""
+"""``python -m cupy_merge`` (also the ``cupy-merge`` command): self-check, environment, ahead-of-time compile.
+
+``--help``, ``--version`` and ``--info`` answer without CuPy; what needs CuPy or
+NVRTC says in one line what to install and exits with status 1.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 
-from . import __version__
+from ._version import __version__
 
 _ARCH = re.compile(r"^(?:sm_?)?(\d{2,3}[a-z]?)$")
 
 
+def _program_name() -> str:
+    """The command as it was called: ``cupy-merge`` or ``python -m cupy_merge``."""
+    called = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "cupy-merge" if called == "cupy-merge" else "python -m cupy_merge"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m cupy_merge",
+        prog=_program_name(),
         description="With no option: print the environment, compile the kernels and check merges on the "
         "GPU against a float64 reference (without a GPU: compile for sm_90 only). Exit status 0 when "
-        "everything passed, 1 when a check failed, 2 on bad options.",
+        "everything passed, 1 when a check failed or CuPy or NVRTC is missing, 2 on bad options.",
     )
     parser.add_argument("--version", action="version", version=f"cupy-merge {__version__}")
     action = parser.add_mutually_exclusive_group()
@@ -27,8 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     action.add_argument(
         "--arch",
         metavar="SM",
-        help="compile every kernel for this architecture (e.g. 90 or sm_90) with NVRTC alone, "
-        "no GPU needed; the result is cached on disk",
+        help="compile every kernel for this architecture (e.g. 90 or sm_90) with NVRTC alone, no GPU "
+        "needed; kept on disk, where a GPU of that architecture loads it without NVRTC",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log each compilation and its time")
     return parser
@@ -41,28 +52,45 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
-    from . import _catalogue
-    from .tools import selfcheck
+    from .tools import environment
 
     if args.info:
-        print("\n".join(selfcheck.environment()))
+        print("\n".join(environment.lines()))
         return 0
-    if args.arch is not None:
-        match = _ARCH.match(args.arch)
-        if match is None:
-            parser.error(f"--arch: expected an architecture such as 90 or sm_90, got {args.arch!r}")
-        from ._kernels import KernelCompileError
+    try:
+        if args.arch is not None:
+            return _compile_for(parser, args.arch)
+        environment.require_cupy()
+        from .tools import selfcheck
 
-        try:
-            print(selfcheck.compile_ahead(match.group(1), _catalogue.all_modules()))
-        except KernelCompileError as error:
-            print(
-                f"NVRTC cannot compile for sm_{match.group(1)}: {error.log.strip().splitlines()[-1]}",
-                file=sys.stderr,
-            )
-            return 1
-        return 0
-    return selfcheck.run()
+        return selfcheck.run()
+    except environment.Missing as missing:
+        print(f"{parser.prog}: {missing}", file=sys.stderr)
+        return 1
+    except RuntimeError as error:  # NVRTC missing part way (a cold cache on a GPU machine)
+        if type(error).__name__ != "NvrtcMissing":
+            raise
+        print(f"{parser.prog}: {error}", file=sys.stderr)
+        return 1
+
+
+def _compile_for(parser: argparse.ArgumentParser, arch: str) -> int:
+    from .tools import environment
+
+    match = _ARCH.match(arch)
+    if match is None:
+        parser.error(f"--arch: expected an architecture such as 90 or sm_90, got {arch!r}")
+    environment.require_cupy()
+    known = environment.require_nvrtc()
+    wanted = match.group(1)
+    if not wanted.isdigit() or int(wanted) not in known:
+        parser.error(
+            f"--arch: this NVRTC compiles for {', '.join(f'sm_{a}' for a in known)}; got sm_{wanted}"
+        )
+    from .tools import selfcheck
+
+    print(selfcheck.compile_ahead(wanted))
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,49 +2,81 @@
 
 Every supported kind (CuPy, torch, JAX, other ``__cuda_array_interface__`` or
 DLPack producers) has one :class:`Adapter`: how to describe an array as an
-:class:`ArrayView` (data pointer, shape, strides in elements, dtype name,
-device), how to fingerprint it for the fast path, its current stream, how to
-allocate an output for a stream, and how results go back to the caller.
-Nothing else in the package looks at a user's array type. torch is never
-imported here: a tensor is recognised only when the caller has loaded torch
-(:func:`torch_module`, the one probe).
+:class:`ArrayView` (address, shape, strides in elements, dtype name, device),
+whether it may be written, how to fingerprint it for the fast path, its
+current stream, how to allocate an output for a stream, and how results go
+back to the caller. Nothing else in the package looks at a user's array type.
+torch is never imported here: a tensor is recognised only when the caller has
+loaded torch (:func:`torch_module`, the one probe).
+
+An :class:`ArraySpec` is a view without its address: what planning needs
+(alignment is a class, not an address), so plans can be made from torch fake
+tensors or JAX abstract values, and cached for every caller.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any, NamedTuple, Protocol, TypeAlias
+from typing import Any, NamedTuple
 
 import cupy
 import numpy
 
+from .types import DeviceArray, Stream  # noqa: F401 - the names this module's callers annotate with
+
 # DLPack device types (dlpack.h): the CUDA ones the kernels can read.
 _DLPACK_CUDA = 2
 _DLPACK_CUDA_MANAGED = 13
+#: Host arrays (CPU torch tensors, for gloo's cross-rank merges) are described on this device.
+HOST = -1
+#: The widest access any kernel makes: alignment classes stop here.
+MAX_ALIGN = 16
 
 
-class DeviceArray(Protocol):
-    """What the merges take and return: a CuPy array, a torch CUDA tensor, a JAX array, or any
-    ``__cuda_array_interface__`` or DLPack producer of GPU memory (checked when called)."""
-
-    @property
-    def shape(self) -> tuple[int, ...]: ...
+def alignment(ptr: int) -> int:
+    """The alignment class of an address: the largest power of two up to 16 dividing it (16 for
+    an address not yet known: fresh outputs and traced arrays, which the allocators align)."""
+    return MAX_ALIGN if ptr == 0 else min(MAX_ALIGN, ptr & -ptr)
 
 
-#: A CUDA stream: ``None`` (the current one), a raw ``cudaStream_t`` as ``int``, a CuPy or
-#: torch stream, or any object with ``__cuda_stream__``.
-Stream: TypeAlias = Any
+class ArraySpec(NamedTuple):
+    """What the checks and the planner know about one array: no address, only its alignment class."""
 
-
-class ArrayView(NamedTuple):
-    """What the checks and the planner know about one array; strides are in elements."""
-
-    ptr: int
     shape: tuple[int, ...]
-    strides: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
     dtype: str
     itemsize: int
     device: int
+    align: int = MAX_ALIGN
+
+
+class ArrayView(NamedTuple):
+    """An array as the address rules see it: its address and its :class:`ArraySpec`'s facts."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    dtype: str
+    itemsize: int
+    device: int
+
+    @property
+    def spec(self) -> ArraySpec:
+        return ArraySpec(self.shape, self.strides, self.dtype, self.itemsize, self.device, alignment(self.ptr))
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= max(extent, 1)
+    return tuple(reversed(strides))
+
+
+def contiguous_spec(shape: tuple[int, ...], dtype: str, itemsize: int, device: int) -> ArraySpec:
+    """A C-contiguous array not yet allocated (an output the merge allocates, a traced array)."""
+    return ArraySpec(tuple(shape), contiguous_strides(shape), dtype, itemsize, device)
 
 
 def torch_module() -> Any:
@@ -56,11 +88,12 @@ def torch_module() -> Any:
 _DTYPE_NAMES: dict[Any, str] = {}
 
 
-def _dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
+    """``"float16"``, ``"bfloat16"``, ... for a NumPy, ml_dtypes or torch dtype."""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES.setdefault(
-            dtype, str(dtype).removeprefix("torch.") if _is_torch_dtype(dtype) else dtype.name
+            dtype, str(dtype).removeprefix("torch.") if _is_torch_dtype(dtype) else numpy.dtype(dtype).name
         )
     return name
 
@@ -103,25 +136,32 @@ def _cupy_takes(dtype: Any) -> bool:
     return _cupy_dtypes[dtype]
 
 
-def _describe_cupy(array: cupy.ndarray) -> ArrayView:
+def _describe_cupy(array: cupy.ndarray, name: str) -> ArrayView:
     itemsize = array.itemsize
+    strides = array.strides
+    if any(stride % itemsize for stride in strides):
+        raise ValueError(
+            f"{name}: expected strides that are whole elements ({itemsize} bytes), got byte strides "
+            f"{strides}; copy it into a fresh array"
+        )
     return ArrayView(
         array.data.ptr,
         array.shape,
-        tuple(s // itemsize for s in array.strides),
-        _dtype_name(array.dtype),
+        tuple(stride // itemsize for stride in strides),
+        dtype_name(array.dtype),
         itemsize,
         array.data.device_id,
     )
 
 
-def _empty_cupy(shape: tuple[int, ...], dtype: str, device: int, stream: int | None) -> cupy.ndarray:
+def _empty_cupy(shape: tuple[int, ...], dtype: str, device: int, stream: int | None, zero: bool) -> cupy.ndarray:
+    make = cupy.zeros if zero else cupy.empty
     with cupy.cuda.Device(device):
         if stream is None:
-            return cupy.empty(shape, dtype=cupy_dtype(dtype))
+            return make(shape, dtype=cupy_dtype(dtype))
         # CuPy's pool hands a block back only to allocations on the stream it was freed on.
         with cupy.cuda.Stream.from_external(_RawStream(stream)):
-            return cupy.empty(shape, dtype=cupy_dtype(dtype))
+            return make(shape, dtype=cupy_dtype(dtype))
 
 
 class _RawStream:
@@ -135,20 +175,24 @@ class _RawStream:
 
 
 class Adapter:
-    """One array kind. ``writable``: whether merges may write into its arrays."""
+    """One array kind."""
 
     kind = "other"
-    writable = True
 
     def describe(self, obj: Any, name: str) -> ArrayView:
         raise NotImplementedError
 
+    def writable(self, obj: Any) -> bool:
+        """Whether a merge may write into ``obj``."""
+        return True
+
     def current_stream(self, device: int) -> int:
         return cupy.cuda.get_current_stream(device).ptr
 
-    def empty(self, shape: tuple[int, ...], dtype: str, device: int, stream: int | None) -> Any:
-        """A new C-contiguous array; ``stream`` (a raw pointer) is the one that will write it first."""
-        return _empty_cupy(shape, dtype, device, stream)
+    def empty(self, shape: tuple[int, ...], dtype: str, device: int, stream: int | None, zero: bool = False) -> Any:
+        """A new C-contiguous array (``zero``: of zeros, filled on ``stream``); ``stream`` (a raw
+        pointer, None: the current one) is the one that will write it first."""
+        return _empty_cupy(shape, dtype, device, stream, zero)
 
     def pointer(self, array: Any) -> int:
         """The device address of an array :meth:`empty` made."""
@@ -157,12 +201,30 @@ class Adapter:
     def result(self, array: Any) -> Any:
         return array
 
+    def view(self, buffer: Any, dtype: str, shape: tuple, strides: tuple, byte_offset: int) -> Any:
+        """A strided view (strides in elements of ``dtype``) into a contiguous byte ``buffer`` :meth:`empty` made."""
+        dtype_object = cupy_dtype(dtype)
+        return cupy.ndarray(
+            shape, dtype_object, memptr=buffer.data + byte_offset,
+            strides=tuple(stride * dtype_object.itemsize for stride in strides),
+        )  # fmt: skip
+
+    def copy(self, destination: Any, source: Any) -> None:
+        """``destination[...] = source`` on the current stream (shapes and dtypes already checked)."""
+        destination[...] = source
+
+    def scope(self, stream: int | None, device: int) -> Any:
+        """A context in which ``stream`` (None: the current one) is this kind's current stream."""
+        if stream is None:
+            return contextlib.nullcontext()
+        return cupy.cuda.Stream.from_external(_RawStream(stream))
+
 
 class CupyAdapter(Adapter):
     kind = "cupy"
 
     def describe(self, obj: cupy.ndarray, name: str) -> ArrayView:
-        return _describe_cupy(obj)
+        return _describe_cupy(obj, name)
 
 
 class ForeignAdapter(Adapter):
@@ -171,14 +233,21 @@ class ForeignAdapter(Adapter):
     kind = "other"
 
     def describe(self, obj: Any, name: str) -> ArrayView:
-        return _describe_cupy(as_cupy(obj, name))
+        return _describe_cupy(as_cupy(obj, name), name)
+
+    def writable(self, obj: Any) -> bool:
+        interface = getattr(obj, "__cuda_array_interface__", None)
+        return interface is None or not interface["data"][1]  # (pointer, read_only)
 
 
 class JaxAdapter(ForeignAdapter):
-    """JAX arrays are immutable and may share buffers: read, never written; results come back as JAX."""
+    """JAX arrays are immutable and may share buffers: read, never written; results come back as JAX.
+    Merges of JAX arrays run through :mod:`cupy_merge.jax` (eager calls too: its jitted path)."""
 
     kind = "jax"
-    writable = False
+
+    def writable(self, obj: Any) -> bool:
+        return False
 
     def result(self, array: Any) -> Any:
         import jax.dlpack
@@ -197,8 +266,22 @@ class TorchAdapter(Adapter):
     def __init__(self) -> None:
         self._devices: dict[int, Any] = {}
 
-    def describe(self, obj: Any, name: str) -> ArrayView:
-        if obj.device.type != "cuda":
+    def describe(self, obj: Any, name: str, host: bool = False) -> ArrayView:
+        """``host``: CPU tensors are described too, on :data:`HOST` (the cross-rank merge on gloo)."""
+        spec = self.spec(obj, name, host)
+        ptr = obj.data_ptr()
+        if ptr == 0 and obj.numel() > 0:
+            raise ValueError(f"{name}: expected a tensor with memory, got a null data pointer (freed storage?)")
+        return ArrayView(ptr, spec.shape, spec.strides, spec.dtype, spec.itemsize, spec.device)
+
+    def spec(self, obj: Any, name: str, host: bool = False) -> ArraySpec:
+        """What planning needs, without the address: works on fake tensors (``torch.compile``)."""
+        torch = torch_module()
+        if obj.layout != torch.strided:
+            raise TypeError(
+                f"{name}: expected a dense (strided) tensor, got layout {obj.layout}; convert it with .to_dense()"
+            )
+        if obj.device.type != "cuda" and not (host and obj.device.type == "cpu"):
             raise TypeError(
                 f"{name}: expected a torch tensor on a CUDA device, got one on {obj.device}; move it with .cuda()"
             )
@@ -207,14 +290,8 @@ class TorchAdapter(Adapter):
                 f"{name}: expected a tensor without torch's lazy negation or conjugation (a view such as "
                 f"x.conj().imag); materialise it with .resolve_neg() / .resolve_conj()"
             )
-        ptr = obj.data_ptr()
-        if ptr == 0 and obj.numel() > 0:
-            raise ValueError(
-                f"{name}: expected a tensor with memory, got a null data pointer (freed storage?)"
-            )
-        return ArrayView(
-            ptr, tuple(obj.shape), obj.stride(), _dtype_name(obj.dtype), obj.element_size(), obj.get_device()
-        )
+        device = obj.device.index if obj.device.type == "cuda" else HOST
+        return ArraySpec(tuple(obj.shape), tuple(obj.stride()), dtype_name(obj.dtype), obj.element_size(), device)
 
     def current_stream(self, device: int) -> int:
         torch = torch_module()
@@ -224,25 +301,47 @@ class TorchAdapter(Adapter):
             return raw(device)
         return torch.cuda.current_stream(device).cuda_stream
 
-    def empty(self, shape: tuple[int, ...], dtype: str, device: int, stream: int | None) -> Any:
+    def empty(self, shape: tuple[int, ...], dtype: str, device: int, stream: int | None, zero: bool = False) -> Any:
         torch = torch_module()
+        make = torch.zeros if zero else torch.empty
+        if device == HOST:
+            return make(shape, dtype=getattr(torch, dtype))
         where = self._devices.get(device)
         if where is None:
             where = self._devices.setdefault(device, torch.device("cuda", device))
         if stream is None:
-            return torch.empty(shape, dtype=getattr(torch, dtype), device=where)
+            return make(shape, dtype=getattr(torch, dtype), device=where)
         # torch's caching allocator hands a block back only to allocations on its stream.
         with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=where)):
-            return torch.empty(shape, dtype=getattr(torch, dtype), device=where)
+            return make(shape, dtype=getattr(torch, dtype), device=where)
 
     def pointer(self, array: Any) -> int:
         return array.data_ptr()
+
+    def view(self, buffer: Any, dtype: str, shape: tuple, strides: tuple, byte_offset: int) -> Any:
+        torch = torch_module()
+        typed = buffer.view(getattr(torch, dtype))
+        return typed.as_strided(shape, strides, typed.storage_offset() + byte_offset // typed.element_size())
+
+    def copy(self, destination: Any, source: Any) -> None:
+        destination.copy_(source)
+
+    def scope(self, stream: int | None, device: int) -> Any:
+        torch = torch_module()
+        if stream is None or device == HOST:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(torch.cuda.ExternalStream(stream, device=torch.device("cuda", device)))
 
 
 CUPY = CupyAdapter()
 TORCH = TorchAdapter()
 JAX = JaxAdapter()
 FOREIGN = ForeignAdapter()
+
+
+def is_jax(obj: Any) -> bool:
+    """A JAX array or tracer (the module of its type is JAX's)."""
+    return type(obj).__module__.startswith(("jax", "jaxlib"))
 
 
 def adapter_for(obj: Any, name: str) -> Adapter:
@@ -252,7 +351,7 @@ def adapter_for(obj: Any, name: str) -> Adapter:
     torch = torch_module()
     if torch is not None and isinstance(obj, torch.Tensor):
         return TORCH
-    if type(obj).__module__.startswith(("jax", "jaxlib")):
+    if is_jax(obj):
         return JAX
     if isinstance(obj, numpy.ndarray):
         raise TypeError(
@@ -292,27 +391,31 @@ def as_cupy(obj: Any, name: str = "array") -> cupy.ndarray:
 _torch_tensor: type | None = None
 
 
-def fingerprints(arrays: tuple) -> tuple | None:
-    """What identifies the arrays for planning, flat: pointer, shape, strides, dtype and device of
-    each (and torch's negation bit), or ``None`` when one of them has no cheap fingerprint (JAX,
-    DLPack, other producers). A missing optional array is a known value (``None``)."""
+def fingerprints(operands: tuple) -> tuple | None:
+    """What identifies the arrays for the fast path, flat: pointer, shape, strides, dtype and device
+    of each (and torch's negation and requires-grad bits), or ``None`` when one of them has no cheap
+    fingerprint (JAX, DLPack, other producers, tensors without a data pointer). A missing operand
+    is ``None``."""
     global _torch_tensor
     parts: list = []
-    for obj in arrays:
-        cls = type(obj)
-        if cls is _torch_tensor:
-            parts += (obj.data_ptr(), obj.shape, obj.stride(), obj.dtype, obj.get_device(), obj.is_neg())
-        elif cls is cupy.ndarray:
-            data = obj.data
-            parts += (data.ptr, obj.shape, obj.strides, obj.dtype, data.device_id)
-        elif obj is None:
-            parts.append(None)
-        else:
-            torch = torch_module()
-            if _torch_tensor is None and torch is not None and cls is torch.Tensor:
-                _torch_tensor = cls  # torch was imported after this module: learn its tensor type once
-                return fingerprints(arrays)
-            return None
+    try:
+        for obj in operands:
+            cls = type(obj)
+            if cls is _torch_tensor:
+                parts += (obj.data_ptr(), obj.shape, obj.stride(), obj.dtype, obj.is_neg(), obj.requires_grad)
+            elif cls is cupy.ndarray:
+                data = obj.data
+                parts += (data.ptr, obj.shape, obj.strides, obj.dtype, data.device_id)
+            elif obj is None:
+                parts.append(None)
+            else:
+                torch = torch_module()
+                if _torch_tensor is None and torch is not None and cls is torch.Tensor:
+                    _torch_tensor = cls  # torch was imported after this module: learn its tensor type once
+                    return fingerprints(operands)
+                return None
+    except RuntimeError:  # a sparse or meta tensor has no data pointer: the full path explains
+        return None
     return tuple(parts)
 
 
@@ -326,7 +429,7 @@ def stream_pointer(stream: Any) -> int:
         return stream
     for attribute in ("ptr", "cuda_stream"):
         value = getattr(stream, attribute, None)
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
     protocol = getattr(stream, "__cuda_stream__", None)
     if protocol is not None:
@@ -337,8 +440,39 @@ def stream_pointer(stream: Any) -> int:
     )
 
 
-def to_numpy(array: Any) -> numpy.ndarray:
-    """A host copy of a device array (synchronises with the stream that produced it)."""
+def to_numpy(array: Any, stream: int | None = None) -> numpy.ndarray:
+    """A host copy of a device array, made on ``stream`` (default: the current one of its kind)."""
     if hasattr(array, "detach"):
-        return array.detach().cpu().numpy()
-    return cupy.asnumpy(as_cupy(array))
+        torch = torch_module()
+        if stream is None or not array.is_cuda:
+            return array.detach().cpu().numpy()
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=array.device)):
+            return array.detach().cpu().numpy()
+    array = as_cupy(array)
+    if stream is None:
+        return cupy.asnumpy(array)
+    with cupy.cuda.Device(array.device.id):
+        return cupy.asnumpy(array, stream=cupy.cuda.Stream.from_external(_RawStream(stream)))
+
+
+class PointerGuard:
+    """The data pointers of a bound merge's torch tensors, as bound: a tensor whose storage was
+    swapped or freed since (``t.set_(...)``, ``t.data = ...``, a resized storage) is refused."""
+
+    __slots__ = ("_tensors",)
+
+    def __init__(self, arrays: tuple, names: tuple):
+        torch = torch_module()
+        self._tensors = tuple(
+            (array, array.data_ptr(), name)
+            for array, name in zip(arrays, names)
+            if torch is not None and isinstance(array, torch.Tensor)
+        )
+
+    def check(self) -> None:
+        for tensor, pointer, name in self._tensors:
+            if tensor.data_ptr() != pointer:
+                raise RuntimeError(
+                    f"{name}: no longer points at the memory this merge was bound to (its storage was "
+                    f"replaced, resized or freed); bind the merge again"
+                )

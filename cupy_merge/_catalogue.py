@@ -6,12 +6,16 @@ source and compares). Plans name arguments by parameter; :meth:`KernelFamily.arg
 puts them in the kernel's order, so no argument tuple is written out anywhere else.
 
 A *module* is what NVRTC compiles at once: one source file for one (input dtype,
-output dtype) pair, holding every instantiation the planner may choose for it.
+output dtype) pair and set of compile options, holding every instantiation the
+planner may choose for it; merges with attention sinks have modules of their own
+(``Module.sinks``), compiled only when a merge with sinks first runs.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from . import _tuning
 
 #: Value dtype name -> the C++ type the kernels are instantiated with.
 VALUE_CTYPES = {
@@ -29,16 +33,14 @@ ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2, FP8: 1}
 INDEX_32_LIMIT = 2**30
 #: The largest FP8 group: a group's packs are threads of one block.
 MAX_QUANT_GROUP = 1024
-
-#: States the N-way kernels load per memory round trip (their MERGE_CHUNK): measured
-#: best among 2, 4 and 8 for the strided kernel (session 3) and among 2 and 4 for the
-#: packed one (session 4, sweep 1). Passed to NVRTC.
-MERGE_CHUNK = 4
-COMPILE_OPTIONS = ("-std=c++17", f"-DMERGE_CHUNK={MERGE_CHUNK}")
+#: The most states one token merges (kMaxStatesPerToken in merge_many_states.cu): float32 sums
+#: of 2^16 equal terms are off by up to 7e-4 of their value, and drift further beyond.
+MAX_STATES_PER_TOKEN = 65536
 
 TWO_STATES_SOURCE = "merge_two_states.cu"
 MANY_STATES_SOURCE = "merge_many_states.cu"
 RANKS_SOURCE = "merge_across_ranks.cu"
+BACKWARD_SOURCE = "merge_backward.cu"
 
 
 class KernelFamily(NamedTuple):
@@ -81,52 +83,54 @@ PACKED_GEOMETRY = (
     "total_packs", "packs_per_token", "token_multiplier", "token_shift",
     "packs_per_row", "head_multiplier", "head_shift",
 )  # fmt: skip
-#: The packed kernels' last parameters: FP8 group scales (``_plan._group_geometry``).
+#: The packed kernels' FP8 group scales (``_plan._group_geometry``).
 GROUP_SCALES = (
-    "out_group_scale", "group_stride_token", "group_stride_group",
+    "output_block_scale", "block_scale_stride_token", "block_scale_stride_group",
     "packs_per_group", "group_multiplier", "group_shift", "scale_ue8m0",
 )  # fmt: skip
+#: Every merge kernel's last parameters: attention sinks (read when SINKS).
+SINKS = ("sinks", "sinks_stride")
 
 TWO_STRIDED = KernelFamily(
     TWO_STATES_SOURCE,
     "merge_two_states",
-    ("TIn", "TOut", "VEC", "ROWS", "Index"),
+    ("TIn", "TOut", "VEC", "ROWS", "Index", "SINKS"),
     (
-        "out", "out_lse", "out_scale", "v_a", "lse_a", "v_b", "lse_b", "mask",
+        "out", "out_lse", "output_scale", "v_a", "lse_a", "v_b", "lse_b", "mask",
         "num_tokens", "num_heads", "head_size", "merge_tokens",
         "out_stride_token", "out_stride_head", "a_stride_token", "a_stride_head",
         "b_stride_token", "b_stride_head",
         "out_lse_stride_head", "out_lse_stride_token", "lse_a_stride_head", "lse_a_stride_token",
         "lse_b_stride_head", "lse_b_stride_token",
-        "mask_stride", "lse_base_2", "out_lse_is_input",
+        "mask_stride", "lse_base_2", "out_lse_is_input", *SINKS,
     ),
 )  # fmt: skip
 
 TWO_PACKED = KernelFamily(
     TWO_STATES_SOURCE,
     "merge_two_states_packed",
-    ("TIn", "TOut", "VEC", "STREAMING", "LSE_IN_PLACE", "GROUPED"),
+    ("TIn", "TOut", "VEC", "STREAMING", "LSE_IN_PLACE", "GROUPED", "SINKS"),
     (
-        "out", "out_lse", "out_scale", "v_a", "lse_a", "v_b", "lse_b", "mask",
+        "out", "out_lse", "output_scale", "v_a", "lse_a", "v_b", "lse_b", "mask",
         *PACKED_GEOMETRY, "merge_tokens",
         "out_stride_token", "a_stride_token", "b_stride_token",
         "out_lse_stride_head", "out_lse_stride_token", "lse_a_stride_head", "lse_a_stride_token",
         "lse_b_stride_head", "lse_b_stride_token",
         "mask_stride", "lse_base_2",
-        *GROUP_SCALES,
+        *GROUP_SCALES, *SINKS,
     ),
 )  # fmt: skip
 
 MANY_STRIDED = KernelFamily(
     MANY_STATES_SOURCE,
     "merge_many_states",
-    ("TIn", "TOut", "VEC", "SPLIT", "Index"),
+    ("TIn", "TOut", "VEC", "SPLIT", "Index", "SINKS"),
     (
-        "out", "out_lse", "out_scale", "v", "lse", "indptr", "indptr_bytes", "indptr_stride",
+        "out", "out_lse", "output_scale", "v", "lse", "indptr", "indptr_bytes", "indptr_stride",
         "num_states", "num_tokens", "num_heads", "head_size",
         "out_stride_token", "out_stride_head", "v_stride_state", "v_stride_token", "v_stride_head",
         "out_lse_stride_head", "out_lse_stride_token",
-        "lse_stride_state", "lse_stride_head", "lse_stride_token", "lse_base_2",
+        "lse_stride_state", "lse_stride_head", "lse_stride_token", "lse_base_2", *SINKS,
     ),
 )  # fmt: skip
 
@@ -135,7 +139,7 @@ MANY_STRIDED = KernelFamily(
 MANY_PACKED = KernelFamily(
     MANY_STATES_SOURCE,
     "merge_many_states_packed",
-    ("TIn", "TOut", "VEC", "SPLIT", "RAGGED", "GROUPED"),
+    ("TIn", "TOut", "VEC", "SPLIT", "RAGGED", "GROUPED", "SINKS"),
     (
         "v", "lse",
         "num_states", "total_packs", "packs_per_token", "token_multiplier", "token_shift",
@@ -145,8 +149,8 @@ MANY_PACKED = KernelFamily(
         "block_packs", "block_splits",
         "packs_per_row", "out_stride_token", "out_lse_stride_head", "out_lse_stride_token",
         "lse_base_2",
-        "out_scale", "indptr", "indptr_bytes", "indptr_stride",
-        *GROUP_SCALES,
+        "output_scale", "indptr", "indptr_bytes", "indptr_stride",
+        *GROUP_SCALES, *SINKS,
     ),
 )  # fmt: skip
 
@@ -168,10 +172,28 @@ RANK_SCALE = KernelFamily(
         "scaled", "out_lse", "v", "gathered_lse", "world", "rank", "num_tokens", "num_heads", "head_size",
         "heads_per_shard", "chunk_elements", "first_head", "out_heads",
         "v_stride_token", "v_stride_head", "out_lse_stride_head", "out_lse_stride_token", "lse_base_2",
+        *SINKS,
     ),
 )  # fmt: skip
 
-FAMILIES = (TWO_STRIDED, TWO_PACKED, MANY_STRIDED, MANY_PACKED, RANK_PACK, RANK_SCALE)
+#: The gradient of every merge (two-way, N-way, ragged): states 0 and 1.. at their own pointers.
+BACKWARD = KernelFamily(
+    BACKWARD_SOURCE,
+    "merge_states_backward",
+    ("TIn", "TOut", "VEC", "ONE_PACK", "RAGGED", "SINKS"),
+    (
+        "gv0", "gv1", "gs0", "gs1", "grad_sinks", "v0", "v1", "s0", "s1", "grad_out", "grad_lse", "sinks",
+        "indptr", "indptr_bytes", "indptr_stride", "num_states", "num_tokens", "num_heads", "head_size",
+        "v0_stride_token", "v0_stride_head", "v1_stride_token", "v1_stride_head", "v_stride_state",
+        "gv0_stride_token", "gv0_stride_head", "gv1_stride_token", "gv1_stride_head", "gv_stride_state",
+        "s0_stride_head", "s0_stride_token", "s1_stride_head", "s1_stride_token", "s_stride_state",
+        "gs0_stride_head", "gs0_stride_token", "gs1_stride_head", "gs1_stride_token", "gs_stride_state",
+        "grad_out_stride_token", "grad_out_stride_head", "grad_lse_stride_head", "grad_lse_stride_token",
+        "sinks_stride", "lanes", "lse_base_2",
+    ),
+)  # fmt: skip
+
+FAMILIES = (TWO_STRIDED, TWO_PACKED, MANY_STRIDED, MANY_PACKED, RANK_PACK, RANK_SCALE, BACKWARD)
 
 #: Elements per vector pack, widest first, by the smaller element size of input
 #: and output: 16-byte packs where shapes and alignment allow.
@@ -193,19 +215,33 @@ def full_pack(in_dtype: str, out_dtype: str) -> int:
     return vector_widths(in_dtype, out_dtype)[0]
 
 
+#: The NVRTC options of the default tuning.
+DEFAULT_COMPILE_OPTIONS = _tuning.DEFAULT.compile_options
+
+
 class Module(NamedTuple):
     source: str
     in_dtype: str
     out_dtype: str
+    sinks: bool = False
+    options: tuple[str, ...] = DEFAULT_COMPILE_OPTIONS
 
 
 def module_instances(module: Module) -> list[str]:
     """Every instantiation compiled together in ``module``.
 
     FP8 outputs add the group-scaled packed kernels at every width (a group's
-    size decides the widest that divides it).
+    size decides the widest that divides it). A sinks module holds the same
+    instantiations with sinks.
     """
-    a, b = module.in_dtype, module.out_dtype
+    a, b, sinks = module.in_dtype, module.out_dtype, module.sinks
+    if module.source == BACKWARD_SOURCE:
+        return [
+            BACKWARD.instance(TIn=a, TOut=b, VEC=vec, ONE_PACK=one, RAGGED=ragged, SINKS=sinks)
+            for vec in vector_widths(a, b)
+            for one in (False, True)
+            for ragged in (False, True)
+        ]
     if module.source == RANKS_SOURCE:
         return [
             family.instance(T=a, VEC=vec)
@@ -216,38 +252,49 @@ def module_instances(module: Module) -> list[str]:
     grouped = [(full, False)] + ([(vec, True) for vec in widths] if b == FP8 else [])
     if module.source == TWO_STATES_SOURCE:
         return [
-            TWO_STRIDED.instance(TIn=a, TOut=b, VEC=vec, ROWS=rows, Index=index)
+            TWO_STRIDED.instance(TIn=a, TOut=b, VEC=vec, ROWS=rows, Index=index, SINKS=sinks)
             for vec in widths
             for rows in STRIDED_ROWS
             for index in INDEX_TYPES
         ] + [
             TWO_PACKED.instance(
-                TIn=a, TOut=b, VEC=vec, STREAMING=streaming, LSE_IN_PLACE=in_place, GROUPED=group
+                TIn=a, TOut=b, VEC=vec, STREAMING=streaming, LSE_IN_PLACE=in_place, GROUPED=group, SINKS=sinks
             )
             for vec, group in grouped
             for streaming in (False, True)
             for in_place in (False, True)
         ]
     return [
-        MANY_STRIDED.instance(TIn=a, TOut=b, VEC=vec, SPLIT=split, Index=index)
+        MANY_STRIDED.instance(TIn=a, TOut=b, VEC=vec, SPLIT=split, Index=index, SINKS=sinks)
         for vec in widths
         for split in (False, True)
         for index in INDEX_TYPES
     ] + [
-        MANY_PACKED.instance(TIn=a, TOut=b, VEC=vec, SPLIT=split, RAGGED=ragged, GROUPED=group)
+        MANY_PACKED.instance(TIn=a, TOut=b, VEC=vec, SPLIT=split, RAGGED=ragged, GROUPED=group, SINKS=sinks)
         for vec, group in grouped
         for split in (False, True)
         for ragged in (False, True)
     ]
 
 
-def all_modules() -> list[Module]:
-    return [
-        Module(source, a, b)
-        for source in (TWO_STATES_SOURCE, MANY_STATES_SOURCE)
-        for a in VALUE_CTYPES
-        for b in OUTPUT_CTYPES
-    ] + [Module(RANKS_SOURCE, a, a) for a in VALUE_CTYPES]
+def all_modules(options: tuple[str, ...] = DEFAULT_COMPILE_OPTIONS, sinks: bool = False) -> list[Module]:
+    """Every module of the merges and their gradients (with sinks: their sinks modules) and of
+    the cross-rank steps."""
+    return (
+        [
+            Module(source, a, b, sinks, options)
+            for source in (TWO_STATES_SOURCE, MANY_STATES_SOURCE)
+            for a in VALUE_CTYPES
+            for b in OUTPUT_CTYPES
+        ]
+        + [Module(BACKWARD_SOURCE, a, b, sinks, options) for a in VALUE_CTYPES for b in VALUE_CTYPES]
+        + ([] if sinks else [Module(RANKS_SOURCE, a, a, False, options) for a in VALUE_CTYPES])
+    )
+
+
+def every_module(options: tuple[str, ...] = DEFAULT_COMPILE_OPTIONS) -> list[Module]:
+    """What ``python -m cupy_merge --arch`` compiles: every module, with sinks and without."""
+    return all_modules(options) + all_modules(options, sinks=True)
 
 
 def same_dtype_modules() -> list[Module]:
@@ -255,5 +302,5 @@ def same_dtype_modules() -> list[Module]:
     return [
         module
         for module in all_modules()
-        if module.in_dtype == module.out_dtype and module.source != RANKS_SOURCE
+        if module.in_dtype == module.out_dtype and module.source in (TWO_STATES_SOURCE, MANY_STATES_SOURCE)
     ]

@@ -2,9 +2,17 @@
 
 Options (LSE base, output dtype, the prefill cut, flags) are normalised here
 before anything else happens, so a bad option never reaches a cache key or a
-launch. Array rules are pure functions of :class:`ArrayView`, so they run (and
-are tested) without a GPU. ``check_two_states`` and ``check_many_states`` apply
-every rule of one call, inputs first, then outputs.
+launch. Array rules come in two kinds:
+
+* *shape rules* (dimensions, dtypes, shapes, strides, devices, alignment
+  classes): pure functions of :class:`ArraySpec`, so they run at trace time
+  on fake tensors and JAX abstract values, and are tested without a GPU;
+* *address rules* (outputs that overlap inputs or each other): functions of
+  :class:`ArrayView`, run where addresses exist (eager calls, ``bind``).
+
+``check_two`` / ``check_many`` apply every shape rule of one call, inputs
+first, then outputs; ``check_two_addresses`` / ``check_many_addresses`` every
+address rule. The cross-rank merge uses the same rules (``check_rank``).
 """
 
 from __future__ import annotations
@@ -13,10 +21,29 @@ import math
 import operator
 from typing import Any, NamedTuple
 
-from ._arrays import ArrayView
-from ._catalogue import FP8, INDEX_32_LIMIT, MAX_QUANT_GROUP, OUTPUT_CTYPES, VALUE_CTYPES
+from ._arrays import HOST, ArraySpec, ArrayView
+from ._catalogue import (
+    FP8,
+    INDEX_32_LIMIT,
+    MAX_QUANT_GROUP,
+    MAX_STATES_PER_TOKEN,
+    OUTPUT_CTYPES,
+    VALUE_CTYPES,
+)
+from ._operands import (
+    BackwardOperands,
+    BackwardOptions,
+    ManyStateOperands,
+    ManyStateOptions,
+    RankOperands,
+    TwoStateOperands,
+    TwoStateOptions,
+)
 
 INDEX_DTYPES = ("int32", "int64")
+#: The layouts the errors name.
+VALUES_LAYOUT = "[num_tokens, num_heads, head_size]"
+LSE_LAYOUT = "[num_heads, num_tokens]"
 
 
 # -- options ------------------------------------------------------------------------------------
@@ -108,121 +135,248 @@ def flag(value: Any, name: str) -> bool:
     return value
 
 
-# -- single arrays ------------------------------------------------------------------------------
+_DEFAULT_TWO_STATE_OPTIONS = TwoStateOptions()
+_DEFAULT_MANY_STATE_OPTIONS = {flag: ManyStateOptions(check_indptr=flag) for flag in (False, True)}
 
 
-def expect_ndim(view: ArrayView, ndim: int, name: str, layout: str) -> None:
-    if len(view.shape) != ndim:
-        raise ValueError(f"{name}: expected a {ndim}-D array {layout}, got shape {view.shape}")
-
-
-def expect_value_dtype(view: ArrayView, name: str) -> None:
-    if view.dtype not in VALUE_CTYPES:
-        hint = "; FP8 is an output dtype only" if view.dtype == FP8 else ""
-        raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16, got {view.dtype}{hint}")
-
-
-def expect_output_dtype(view: ArrayView, name: str) -> None:
-    if view.dtype not in OUTPUT_CTYPES:
-        raise TypeError(
-            f"{name}: expected dtype float32, float16 or bfloat16, or float8_e4m3fn with a scale "
-            f"(CuPy: uint8 holding its bytes), got {view.dtype}"
-        )
-
-
-def expect_same_dtype(view: ArrayView, like: ArrayView, name: str, like_name: str) -> None:
-    if view.dtype != like.dtype:
-        raise TypeError(f"{name}: expected dtype {like.dtype} (the dtype of {like_name}), got {view.dtype}")
-
-
-def expect_float32(view: ArrayView, name: str) -> None:
-    if view.dtype != "float32":
-        raise TypeError(f"{name}: expected a float32 log-sum-exp, got dtype {view.dtype}")
-
-
-def expect_shape(view: ArrayView, shape: tuple[int, ...], name: str, source: str) -> None:
-    if tuple(view.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)} ({source}), got {tuple(view.shape)}")
-
-
-def expect_lse_shape(view: ArrayView, shape: tuple[int, ...], name: str, values_name: str) -> None:
-    """``shape`` ends in (num_heads, num_tokens); a token-major buffer gets a hint."""
-    if tuple(view.shape) == tuple(shape):
-        return
-    hint = ""
-    swapped = (*shape[:-2], shape[-1], shape[-2])
-    if tuple(view.shape) == swapped:
-        hint = "; a token-major [..., num_tokens, num_heads] buffer is passed as a transposed view, no copy"
-    layout = "(num_states, num_heads, num_tokens)" if len(shape) == 3 else "(num_heads, num_tokens)"
-    raise ValueError(
-        f"{name}: expected shape {layout} = {tuple(shape)} from {values_name}, got {tuple(view.shape)}{hint}"
+def two_state_options(
+    *,
+    lse_base: Any = "e",
+    prefill_tokens_with_context: Any = None,
+    out_dtype: Any = None,
+    output_block_scale: Any = None,
+    quant_group_size: Any = None,
+    scale_ue8m0: Any = False,
+    quant_scale_ue8m0: Any = False,
+) -> TwoStateOptions:
+    """A two-way merge's options from the public arguments of the same names
+    (``quant_scale_ue8m0`` is vLLM's name for ``scale_ue8m0``)."""
+    if (
+        type(lse_base) is str
+        and lse_base == "e"
+        and prefill_tokens_with_context is None
+        and out_dtype is None
+        and output_block_scale is None
+        and quant_group_size is None
+        and scale_ue8m0 is False
+        and quant_scale_ue8m0 is False
+    ):
+        return _DEFAULT_TWO_STATE_OPTIONS  # the common call, without the checks' calls
+    ue8m0_flag = flag(scale_ue8m0, "scale_ue8m0") or flag(quant_scale_ue8m0, "quant_scale_ue8m0")
+    group_size, ue8m0 = quant_group(quant_group_size, output_block_scale, ue8m0_flag)
+    return TwoStateOptions(
+        lse_base_2=lse_base_flag(lse_base),
+        merge_tokens=token_count(prefill_tokens_with_context),
+        out_dtype=optional_value_dtype(out_dtype),
+        group_size=group_size,
+        scale_ue8m0=ue8m0,
     )
 
 
-def expect_unit_last_stride(view: ArrayView, name: str) -> None:
+def many_state_options(
+    *,
+    lse_base: Any = "e",
+    out_dtype: Any = None,
+    check_indptr: Any = False,
+    output_block_scale: Any = None,
+    quant_group_size: Any = None,
+    scale_ue8m0: Any = False,
+) -> ManyStateOptions:
+    """An N-way merge's options from the public arguments of the same names."""
+    if (
+        type(lse_base) is str
+        and lse_base == "e"
+        and out_dtype is None
+        and output_block_scale is None
+        and quant_group_size is None
+        and scale_ue8m0 is False
+        and type(check_indptr) is bool
+    ):
+        return _DEFAULT_MANY_STATE_OPTIONS[check_indptr]
+    group_size, ue8m0 = quant_group(quant_group_size, output_block_scale, scale_ue8m0)
+    return ManyStateOptions(
+        lse_base_2=lse_base_flag(lse_base),
+        out_dtype=optional_value_dtype(out_dtype),
+        check_indptr=flag(check_indptr, "check_indptr"),
+        group_size=group_size,
+        scale_ue8m0=ue8m0,
+    )
+
+
+def backward_options(*, lse_base: Any = "e") -> BackwardOptions:
+    """A merge gradient's options from the public arguments of the same names."""
+    return BackwardOptions(lse_base_2=lse_base_flag(lse_base))
+
+
+# -- single arrays ------------------------------------------------------------------------------
+
+
+def expect_ndim(spec: ArraySpec, ndim: int, name: str, layout: str) -> None:
+    if len(spec.shape) != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D array {layout}, got shape {spec.shape}")
+
+
+def expect_value_dtype(spec: ArraySpec, name: str) -> None:
+    if spec.dtype not in VALUE_CTYPES:
+        hint = "; FP8 is an output dtype only" if spec.dtype == FP8 else ""
+        raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16, got {spec.dtype}{hint}")
+
+
+def expect_output_dtype(spec: ArraySpec, name: str) -> None:
+    if spec.dtype not in OUTPUT_CTYPES:
+        raise TypeError(
+            f"{name}: expected dtype float32, float16 or bfloat16, or float8_e4m3fn with a scale "
+            f"(CuPy: uint8 holding its bytes), got {spec.dtype}"
+        )
+
+
+def expect_same_dtype(spec: ArraySpec, like: ArraySpec, name: str, like_name: str) -> None:
+    if spec.dtype != like.dtype:
+        raise TypeError(f"{name}: expected dtype {like.dtype} (the dtype of {like_name}), got {spec.dtype}")
+
+
+def expect_float32(spec: ArraySpec, name: str, what: str = "a float32 log-sum-exp") -> None:
+    if spec.dtype != "float32":
+        raise TypeError(f"{name}: expected {what}, got dtype {spec.dtype}")
+
+
+def expect_shape(spec: ArraySpec, shape: tuple[int, ...], name: str, source: str) -> None:
+    if tuple(spec.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)} ({source}), got {tuple(spec.shape)}")
+
+
+def expect_lse_shape(spec: ArraySpec, shape: tuple[int, ...], name: str, values_name: str) -> None:
+    """``shape`` ends in (num_heads, num_tokens); a token-major buffer gets a hint."""
+    if tuple(spec.shape) == tuple(shape):
+        return
+    hint = ""
+    swapped = (*shape[:-2], shape[-1], shape[-2])
+    if tuple(spec.shape) == swapped:
+        hint = "; a token-major [..., num_tokens, num_heads] buffer is passed as a transposed view, no copy"
+    layout = "(num_states, num_heads, num_tokens)" if len(shape) == 3 else "(num_heads, num_tokens)"
+    raise ValueError(
+        f"{name}: expected shape {layout} = {tuple(shape)} from {values_name}, got {tuple(spec.shape)}{hint}"
+    )
+
+
+def expect_unit_last_stride(spec: ArraySpec, name: str) -> None:
     # Empty arrays report arbitrary strides (CuPy: all zero); they are never read.
-    if view.shape[-1] > 1 and view.strides[-1] != 1 and 0 not in view.shape:
+    if spec.shape[-1] > 1 and spec.strides[-1] != 1 and 0 not in spec.shape:
         raise ValueError(
             f"{name}: expected the last dimension (head_size) to be contiguous (stride 1), "
-            f"got strides {view.strides} in elements"
+            f"got strides {spec.strides} in elements"
         )
 
 
-def expect_device(view: ArrayView, device: int, name: str, like_name: str) -> None:
-    if view.device != device:
-        raise ValueError(
-            f"{name}: expected an array on device {device} (where {like_name} is), got device {view.device}"
-        )
+def expect_device(spec: ArraySpec, device: int, name: str, like_name: str) -> None:
+    if spec.device != device:
+        where = "the host" if device == HOST else f"device {device}"
+        got = "the host" if spec.device == HOST else f"device {spec.device}"
+        raise ValueError(f"{name}: expected an array on {where} (where {like_name} is), got one on {got}")
 
 
-def expect_aligned(view: ArrayView, name: str) -> None:
+def expect_aligned(spec: ArraySpec, name: str) -> None:
     """A misaligned address would stop the kernel with a sticky CUDA error, ending the process's context."""
-    if view.ptr % view.itemsize:
+    if spec.align < spec.itemsize:
         raise ValueError(
-            f"{name}: expected an address aligned to its {view.itemsize}-byte elements, got "
-            f"{view.ptr:#x} (a view cut at an odd byte offset); copy it into a fresh array"
+            f"{name}: expected an address aligned to its {spec.itemsize}-byte elements, got one aligned "
+            f"to {spec.align} (a view cut at an odd byte offset); copy it into a fresh array"
         )
 
 
-def expect_no_self_overlap(view: ArrayView, name: str) -> None:
-    """An output whose elements share memory (a broadcast or overlapping view) would be raced on.
+#: Search steps the exact self-overlap test may take before it refuses an output as undecidable.
+_OVERLAP_SEARCH_BUDGET = 20_000
 
-    Sufficient rule: sorted by stride, each dimension of extent > 1 steps past the
-    whole span of the ones before it.
-    """
-    if 0 in view.shape:
+
+class _Undecided(Exception):
+    pass
+
+
+def shares_elements(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether two different indices of an array reach the same element: whether some nonzero
+    ``x`` with ``|x_d| < shape_d`` has ``sum(strides_d * x_d) == 0`` (exact; raises ``_Undecided``
+    past the search budget, which only contrived strides reach)."""
+    terms = sorted(((abs(s), n - 1) for n, s in zip(shape, strides) if n > 1), reverse=True)
+    if not terms:
+        return False
+    if terms[-1][0] == 0:
+        return True
+    reach = [0] * (len(terms) + 1)  # how far the dimensions from k on can move an offset
+    for k in range(len(terms) - 1, -1, -1):
+        reach[k] = reach[k + 1] + terms[k][0] * terms[k][1]
+    steps = 0
+
+    def solvable(k: int, target: int, nonzero: bool) -> bool:
+        nonlocal steps
+        steps += 1
+        if steps > _OVERLAP_SEARCH_BUDGET:
+            raise _Undecided
+        if k == len(terms):
+            return nonzero and target == 0
+        stride, bound = terms[k]
+        low = max(-bound, -((reach[k + 1] - target) // stride))  # ceil((target - reach) / stride)
+        high = min(bound, (target + reach[k + 1]) // stride)
+        if not nonzero:
+            low = max(low, 0)  # x and -x solve alike: take the first nonzero coefficient positive
+        return any(solvable(k + 1, target - stride * x, nonzero or x != 0) for x in range(low, high + 1))
+
+    return solvable(0, 0, False)
+
+
+def expect_no_self_overlap(spec: ArraySpec, name: str) -> None:
+    """An output whose elements share memory (a broadcast or overlapping view) would be raced on."""
+    if 0 in spec.shape:
         return
-    span = 1
-    for extent, stride in sorted(
-        ((extent, abs(stride)) for extent, stride in zip(view.shape, view.strides) if extent > 1),
-        key=lambda pair: pair[1],
-    ):
-        if stride < span:
-            raise ValueError(
-                f"{name}: expected an output whose elements do not share memory, got shape {view.shape} "
-                f"with strides {view.strides} (a broadcast or overlapping view); write into a fresh array"
-            )
-        span = stride * extent
+    try:
+        shared = shares_elements(spec.shape, spec.strides)
+    except _Undecided:
+        raise ValueError(
+            f"{name}: expected an output whose elements provably do not share memory; shape {spec.shape} "
+            f"with strides {spec.strides} is too irregular to tell; write into a fresh array"
+        ) from None
+    if shared:
+        raise ValueError(
+            f"{name}: expected an output whose elements do not share memory, got shape {spec.shape} "
+            f"with strides {spec.strides} (a broadcast or overlapping view); write into a fresh array"
+        )
 
 
-def expect_token_mask(view: ArrayView, num_tokens: int, device: int, name: str, like_name: str) -> None:
-    expect_ndim(view, 1, name, "[num_tokens]")
-    if view.dtype != "bool":
-        raise TypeError(f"{name}: expected a bool array (True = merge this token), got dtype {view.dtype}")
-    expect_shape(view, (num_tokens,), name, f"num_tokens of {like_name}")
-    expect_device(view, device, name, like_name)
+def expect_token_mask(spec: ArraySpec, num_tokens: int, device: int, name: str, like_name: str) -> None:
+    expect_ndim(spec, 1, name, "[num_tokens]")
+    if spec.dtype != "bool":
+        raise TypeError(f"{name}: expected a bool array (True = merge this token), got dtype {spec.dtype}")
+    expect_shape(spec, (num_tokens,), name, f"num_tokens of {like_name}")
+    expect_device(spec, device, name, like_name)
 
 
-def expect_index_array(view: ArrayView, name: str) -> None:
-    expect_ndim(view, 1, name, "[num_tokens + 1]")
-    if view.dtype not in INDEX_DTYPES:
-        raise TypeError(f"{name}: expected an int32 or int64 array, got dtype {view.dtype}")
-    if view.shape[0] < 1:
+def expect_sinks(spec: ArraySpec, num_heads: int, device: int, name: str, like_name: str) -> None:
+    """Attention sinks: float32 ``[num_heads]`` logits, any stride."""
+    expect_ndim(spec, 1, name, "[num_heads]")
+    expect_float32(spec, name, "float32 sink logits")
+    expect_shape(spec, (num_heads,), name, f"num_heads of {like_name}")
+    expect_device(spec, device, name, like_name)
+    expect_aligned(spec, name)
+
+
+def expect_index_array(spec: ArraySpec, name: str) -> None:
+    expect_ndim(spec, 1, name, "[num_tokens + 1]")
+    if spec.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name}: expected an int32 or int64 array, got dtype {spec.dtype}")
+    if spec.shape[0] < 1:
         raise ValueError(f"{name}: expected num_tokens + 1 >= 1 entries (the first is 0), got none")
 
 
+def expect_state_count(num_states: int, name: str) -> None:
+    if num_states > MAX_STATES_PER_TOKEN:
+        raise ValueError(
+            f"{name}: expected at most {MAX_STATES_PER_TOKEN} states a token (float32 sums of more drift "
+            f"out of the inputs' range), got {num_states}; merge them in groups first"
+        )
+
+
 def indptr_values(values: Any, total_states: int, name: str = "indptr") -> None:
-    """Host-side check of a ragged layout: starts at 0, never decreases, ends within the states."""
+    """Host-side check of a ragged layout: starts at 0, never decreases, ends within the states,
+    no token with more states than a merge takes."""
     import numpy
 
     values = numpy.asarray(values)
@@ -239,9 +393,15 @@ def indptr_values(values: Any, total_states: int, name: str = "indptr") -> None:
         raise ValueError(
             f"{name}: expected the last entry to be at most total_states = {total_states}, got {int(values[-1])}"
         )
+    if steps.size and steps.max() > MAX_STATES_PER_TOKEN:
+        token = int(numpy.argmax(steps))
+        raise ValueError(
+            f"{name}: expected at most {MAX_STATES_PER_TOKEN} states a token, got {int(steps[token])} "
+            f"for token {token}"
+        )
 
 
-# -- memory shared between arrays ---------------------------------------------------------------
+# -- memory shared between arrays (address rules) -----------------------------------------------
 
 
 def _byte_extent(view: ArrayView) -> tuple[int, int] | None:
@@ -281,13 +441,31 @@ def expect_no_partial_overlap(
 
 
 def expect_separate(outputs: list[tuple[ArrayView, str]], inputs: list[tuple[ArrayView, str]]) -> None:
-    """The N-way merge reads its inputs many times: outputs may not alias them at all."""
-    for output, output_name in outputs:
-        for view, name in inputs + outputs:
-            if view is not output and overlaps(output, view):
+    """Outputs that may not alias the inputs at all (or each other)."""
+    for index, (output, output_name) in enumerate(outputs):
+        for view, name in inputs + outputs[index + 1 :]:
+            if overlaps(output, view):
                 raise ValueError(
-                    f"{output_name}: expected memory separate from {name}; the N-way merge reads its "
+                    f"{output_name}: expected memory separate from {name}; the merge reads its "
                     f"inputs many times and cannot write over them"
+                )
+
+
+def _named(operands: NamedTuple, names: NamedTuple, fields: tuple[str, ...]) -> list[tuple[Any, str]]:
+    return [(getattr(operands, f), getattr(names, f)) for f in fields if getattr(operands, f) is not None]
+
+
+def _scales_apart(views: NamedTuple, names: NamedTuple) -> None:
+    """Neither kind of FP8 scale may share memory with another array of the call: the per-tensor
+    scale is read by every thread while outputs are written, the group scales are written."""
+    for field in ("output_scale", "output_block_scale"):
+        scale = getattr(views, field)
+        if scale is None:
+            continue
+        for other, other_name in _named(views, names, views._fields):
+            if other is not scale and overlaps(scale, other):
+                raise ValueError(
+                    f"{getattr(names, field)}: overlaps {other_name} in memory; the scale needs its own memory"
                 )
 
 
@@ -302,38 +480,34 @@ class StateShape(NamedTuple):
     device: int
 
 
-class TwoStateNames(NamedTuple):
-    """Argument names as the public function spells them, in the order of its ``arrays``."""
-
-    out: str
-    out_lse: str
-    v_a: str
-    s_a: str
-    v_b: str
-    s_b: str
-    mask: str = "mask"
-    out_scale: str = "output_scale"
-    group_scale: str = "output_block_scale"
-
-
-class ManyStateNames(NamedTuple):
-    out: str = "out"
-    out_lse: str = "out_lse"
-    v: str = "v"
-    s: str = "s"
-    indptr: str = "indptr"
-    out_scale: str = "output_scale"
-    group_scale: str = "output_block_scale"
+def check_outputs(
+    out: ArraySpec, out_lse: ArraySpec | None, state: StateShape, out_name: str, out_lse_name: str, like: str
+) -> None:
+    """``out`` [tokens, heads, head_size] of any value dtype; ``out_lse`` float32 [heads, tokens]."""
+    shape = (state.num_tokens, state.num_heads, state.head_size)
+    expect_ndim(out, 3, out_name, VALUES_LAYOUT)
+    expect_output_dtype(out, out_name)
+    expect_shape(out, shape, out_name, f"{VALUES_LAYOUT} of {like}")
+    expect_unit_last_stride(out, out_name)
+    expect_device(out, state.device, out_name, like)
+    expect_aligned(out, out_name)
+    expect_no_self_overlap(out, out_name)
+    if out_lse is not None:
+        expect_ndim(out_lse, 2, out_lse_name, LSE_LAYOUT)
+        expect_float32(out_lse, out_lse_name)
+        expect_lse_shape(out_lse, (state.num_heads, state.num_tokens), out_lse_name, like)
+        expect_device(out_lse, state.device, out_lse_name, like)
+        expect_aligned(out_lse, out_lse_name)
+        expect_no_self_overlap(out_lse, out_lse_name)
 
 
-def check_two_inputs(
-    v_a: ArrayView, s_a: ArrayView, v_b: ArrayView, s_b: ArrayView, names: TwoStateNames
-) -> StateShape:
+def check_two_inputs(specs: TwoStateOperands, names: TwoStateOperands) -> StateShape:
     """The two input states against each other; their common shape."""
-    expect_ndim(v_a, 3, names.v_a, "[num_tokens, num_heads, head_size]")
-    expect_ndim(v_b, 3, names.v_b, "[num_tokens, num_heads, head_size]")
-    expect_ndim(s_a, 2, names.s_a, "[num_heads, num_tokens]")
-    expect_ndim(s_b, 2, names.s_b, "[num_heads, num_tokens]")
+    v_a, s_a, v_b, s_b = specs.v_a, specs.s_a, specs.v_b, specs.s_b
+    expect_ndim(v_a, 3, names.v_a, VALUES_LAYOUT)
+    expect_ndim(v_b, 3, names.v_b, VALUES_LAYOUT)
+    expect_ndim(s_a, 2, names.s_a, LSE_LAYOUT)
+    expect_ndim(s_b, 2, names.s_b, LSE_LAYOUT)
     expect_value_dtype(v_a, names.v_a)
     expect_same_dtype(v_b, v_a, names.v_b, names.v_a)
     expect_float32(s_a, names.s_a)
@@ -345,60 +519,37 @@ def check_two_inputs(
     expect_lse_shape(s_b, lse_shape, names.s_b, names.v_a)
     expect_unit_last_stride(v_a, names.v_a)
     expect_unit_last_stride(v_b, names.v_b)
-    for view, name in ((v_a, names.v_a), (s_a, names.s_a), (v_b, names.v_b), (s_b, names.s_b)):
-        expect_device(view, v_a.device, name, names.v_a)
-        expect_aligned(view, name)
+    for spec, name in ((v_a, names.v_a), (s_a, names.s_a), (v_b, names.v_b), (s_b, names.s_b)):
+        expect_device(spec, v_a.device, name, names.v_a)
+        expect_aligned(spec, name)
     return StateShape(num_tokens, num_heads, head_size, v_a.dtype, v_a.device)
 
 
-def check_outputs(
-    out: ArrayView, out_lse: ArrayView | None, state: StateShape, out_name: str, out_lse_name: str, like: str
-) -> None:
-    """``out`` [tokens, heads, head_size] of any value dtype; ``out_lse`` float32 [heads, tokens]."""
-    shape = (state.num_tokens, state.num_heads, state.head_size)
-    expect_ndim(out, 3, out_name, "[num_tokens, num_heads, head_size]")
-    expect_output_dtype(out, out_name)
-    expect_shape(out, shape, out_name, f"[num_tokens, num_heads, head_size] of {like}")
-    expect_unit_last_stride(out, out_name)
-    expect_device(out, state.device, out_name, like)
-    expect_aligned(out, out_name)
-    expect_no_self_overlap(out, out_name)
-    if out_lse is not None:
-        expect_ndim(out_lse, 2, out_lse_name, "[num_heads, num_tokens]")
-        expect_float32(out_lse, out_lse_name)
-        expect_lse_shape(out_lse, (state.num_heads, state.num_tokens), out_lse_name, like)
-        expect_device(out_lse, state.device, out_lse_name, like)
-        expect_aligned(out_lse, out_lse_name)
-        expect_no_self_overlap(out_lse, out_lse_name)
+def check_two(specs: TwoStateOperands, names: TwoStateOperands, options: TwoStateOptions) -> StateShape:
+    """Every shape rule of a two-way call (outputs to be allocated given as fresh specs)."""
+    state = check_two_inputs(specs, names)
+    check_outputs(specs.out, specs.out_lse, state, names.out, names.out_lse, names.v_a)
+    if specs.mask is not None:
+        expect_token_mask(specs.mask, state.num_tokens, state.device, names.mask, names.v_a)
+    if specs.sinks is not None:
+        expect_sinks(specs.sinks, state.num_heads, state.device, names.sinks, names.v_a)
+    check_quantisation(specs, names, options.group_size, state, ("v_a", "v_b"))
+    return state
 
 
-def check_two_states(
-    out: ArrayView,
-    out_lse: ArrayView | None,
-    v_a: ArrayView,
-    s_a: ArrayView,
-    v_b: ArrayView,
-    s_b: ArrayView,
-    mask: ArrayView | None,
-    state: StateShape,
-    names: TwoStateNames,
-) -> None:
-    """Every rule of a two-way call whose inputs passed :func:`check_two_inputs`."""
-    check_outputs(out, out_lse, state, names.out, names.out_lse, names.v_a)
-    inputs = [(v_a, names.v_a), (s_a, names.s_a), (v_b, names.v_b), (s_b, names.s_b)]
-    if mask is not None:
-        expect_token_mask(mask, state.num_tokens, state.device, names.mask, names.v_a)
-        inputs.append((mask, names.mask))
-    outputs = [(out, names.out)] + ([] if out_lse is None else [(out_lse, names.out_lse)])
+def check_two_addresses(views: TwoStateOperands, names: TwoStateOperands) -> None:
+    """Every address rule of a two-way call: outputs in place or apart, scales apart."""
+    _scales_apart(views, names)
+    inputs = _named(views, names, ("v_a", "s_a", "v_b", "s_b", "mask", "sinks", "output_scale"))
+    outputs = _named(views, names, ("out", "out_lse", "output_block_scale"))
     expect_no_partial_overlap(outputs, inputs)
 
 
-def check_many_inputs(
-    v: ArrayView, s: ArrayView, indptr: ArrayView | None, names: ManyStateNames
-) -> tuple[StateShape, int]:
+def check_many_inputs(specs: ManyStateOperands, names: ManyStateOperands) -> tuple[StateShape, int]:
     """Dense (``indptr`` None): ``v`` [states, tokens, heads, head_size], ``s`` [states, heads, tokens].
     Ragged: ``v`` [total_states, heads, head_size], ``s`` [heads, total_states], ``indptr`` [tokens + 1].
     Returns the state shape and the number of states (dense) or rows (ragged)."""
+    v, s, indptr = specs.v, specs.s, specs.indptr
     if indptr is None:
         expect_ndim(v, 4, names.v, "[num_states, num_tokens, num_heads, head_size]")
         expect_ndim(s, 3, names.s, "[num_states, num_heads, num_tokens]")
@@ -411,6 +562,7 @@ def check_many_inputs(
     if indptr is None:
         num_states, num_tokens, num_heads, head_size = v.shape
         expect_lse_shape(s, (num_states, num_heads, num_tokens), names.s, names.v)
+        expect_state_count(num_states, names.v)
     else:
         num_states, num_heads, head_size = v.shape
         num_tokens = indptr.shape[0] - 1
@@ -420,33 +572,79 @@ def check_many_inputs(
                 f"{names.v}, got {tuple(s.shape)}"
             )
     expect_unit_last_stride(v, names.v)
-    for view, name in ((v, names.v), (s, names.s), (indptr, names.indptr)):
-        if view is not None:
-            expect_device(view, v.device, name, names.v)
-            expect_aligned(view, name)
+    for spec, name in ((v, names.v), (s, names.s), (indptr, names.indptr)):
+        if spec is not None:
+            expect_device(spec, v.device, name, names.v)
+            expect_aligned(spec, name)
     return StateShape(num_tokens, num_heads, head_size, v.dtype, v.device), num_states
 
 
-def check_many_states(
-    out: ArrayView,
-    out_lse: ArrayView | None,
-    v: ArrayView,
-    s: ArrayView,
-    indptr: ArrayView | None,
-    state: StateShape,
-    names: ManyStateNames,
-) -> None:
-    """Every rule of an N-way call whose inputs passed :func:`check_many_inputs`."""
-    check_outputs(out, out_lse, state, names.out, names.out_lse, names.v)
-    inputs = [(v, names.v), (s, names.s)] + ([] if indptr is None else [(indptr, names.indptr)])
-    outputs = [(out, names.out)] + ([] if out_lse is None else [(out_lse, names.out_lse)])
+def check_many(
+    specs: ManyStateOperands, names: ManyStateOperands, options: ManyStateOptions
+) -> tuple[StateShape, int]:
+    """Every shape rule of an N-way call (outputs to be allocated given as fresh specs)."""
+    state, num_states = check_many_inputs(specs, names)
+    check_outputs(specs.out, specs.out_lse, state, names.out, names.out_lse, names.v)
+    if specs.sinks is not None:
+        expect_sinks(specs.sinks, state.num_heads, state.device, names.sinks, names.v)
+    check_quantisation(specs, names, options.group_size, state, ("v",))
+    return state, num_states
+
+
+def check_many_addresses(views: ManyStateOperands, names: ManyStateOperands) -> None:
+    """Every address rule of an N-way call: the N-way merge reads its inputs many times, so
+    its outputs may not alias them at all; scales apart."""
+    _scales_apart(views, names)
+    inputs = _named(views, names, ("v", "s", "indptr", "sinks", "output_scale"))
+    outputs = _named(views, names, ("out", "out_lse", "output_block_scale"))
     expect_separate(outputs, inputs)
+
+
+# -- gradients ------------------------------------------------------------------------------------
+
+
+def check_backward(
+    specs: BackwardOperands, names: BackwardOperands, options: BackwardOptions
+) -> tuple[StateShape, int]:
+    """Every shape rule of a merge's gradient: the states as the forward merge takes them, and the
+    gradients of its results (a two-way merge's when ``v_b`` is given). Returns the state shape
+    and the number of states (or rows)."""
+    del options  # every option is valid here
+    if specs.v_b is not None:
+        state = check_two_inputs(
+            TwoStateOperands(None, None, specs.v, specs.s, specs.v_b, specs.s_b),
+            TwoStateOperands(None, None, names.v, names.s, names.v_b, names.s_b),
+        )
+        num_states = 2
+    else:
+        state, num_states = check_many_inputs(
+            ManyStateOperands(None, None, specs.v, specs.s, specs.indptr),
+            ManyStateOperands(None, None, names.v, names.s, names.indptr),
+        )
+    like = names.v
+    grad_out = specs.grad_out
+    expect_ndim(grad_out, 3, names.grad_out, VALUES_LAYOUT)
+    expect_value_dtype(grad_out, names.grad_out)
+    expect_shape(grad_out, (state.num_tokens, state.num_heads, state.head_size), names.grad_out,
+                 f"{VALUES_LAYOUT} of the merge of {like}")  # fmt: skip
+    expect_unit_last_stride(grad_out, names.grad_out)
+    expect_device(grad_out, state.device, names.grad_out, like)
+    expect_aligned(grad_out, names.grad_out)
+    if specs.grad_lse is not None:
+        expect_ndim(specs.grad_lse, 2, names.grad_lse, LSE_LAYOUT)
+        expect_float32(specs.grad_lse, names.grad_lse)
+        expect_lse_shape(specs.grad_lse, (state.num_heads, state.num_tokens), names.grad_lse, like)
+        expect_device(specs.grad_lse, state.device, names.grad_lse, like)
+        expect_aligned(specs.grad_lse, names.grad_lse)
+    if specs.sinks is not None:
+        expect_sinks(specs.sinks, state.num_heads, state.device, names.sinks, like)
+    return state, num_states
 
 
 # -- FP8 outputs ----------------------------------------------------------------------------------
 
 
-def fp8_bytes(out: ArrayView | None, scaled: bool) -> ArrayView | None:
+def fp8_bytes(out: ArraySpec | None, scaled: bool) -> ArraySpec | None:
     """A uint8 output given with a scale holds FP8 (float8_e4m3fn) bytes: CuPy has no FP8 dtype."""
     if out is not None and scaled and out.dtype == "uint8":
         return out._replace(dtype=FP8)
@@ -454,124 +652,130 @@ def fp8_bytes(out: ArrayView | None, scaled: bool) -> ArrayView | None:
 
 
 def check_quantisation(
-    out: ArrayView,
-    out_scale: ArrayView | None,
-    group_scale: ArrayView | None,
+    specs: TwoStateOperands | ManyStateOperands,
+    names: TwoStateOperands | ManyStateOperands,
     group_size: int | None,
-    values: list[tuple[ArrayView, str]],
-    others: list[tuple[ArrayView, str]],
     state: StateShape,
-    names: TwoStateNames | ManyStateNames,
+    value_fields: tuple[str, ...],
 ) -> None:
     """An FP8 output has exactly one kind of scale; a scale needs an FP8 output.
 
-    ``out_scale``: float32, one element, read on the device at each launch.
-    ``group_scale``: float32 ``[num_tokens, num_heads * head_size / group_size]``,
+    ``output_scale``: float32, one element, read on the device at each launch.
+    ``output_block_scale``: float32 ``[num_tokens, num_heads * head_size / group_size]``,
     written; the group kernels need the packed layout (each value array's heads
-    back to back, offsets within 32 bits). ``others``: the call's other arrays,
-    which neither kind of scale may overlap.
+    back to back, offsets within 32 bits).
     """
+    out, out_scale, group_scale = specs.out, specs.output_scale, specs.output_block_scale
     if out.dtype != FP8:
-        for view, name in ((out_scale, names.out_scale), (group_scale, names.group_scale)):
-            if view is not None:
-                raise TypeError(
-                    f"{name}: a scale is for an FP8 (float8_e4m3fn) output; {names.out} is {out.dtype}"
-                )
+        for spec, name in ((out_scale, names.output_scale), (group_scale, names.output_block_scale)):
+            if spec is not None:
+                raise TypeError(f"{name}: a scale is for an FP8 (float8_e4m3fn) output; {names.out} is {out.dtype}")
         return
     if out_scale is None and group_scale is None:
         raise TypeError(
-            f"{names.out}: an FP8 output needs its scale: {names.out_scale} (float32, one element, per tensor) "
-            f"or {names.group_scale} with quant_group_size (per group)"
+            f"{names.out}: an FP8 output needs its scale: {names.output_scale} (float32, one element, per "
+            f"tensor) or {names.output_block_scale} with quant_group_size (per group)"
         )
     if out_scale is not None and group_scale is not None:
         raise ValueError(
-            f"{names.out_scale}: give {names.out_scale} (per tensor) or {names.group_scale} (per group), not both"
+            f"{names.output_scale}: give {names.output_scale} (per tensor) or {names.output_block_scale} "
+            f"(per group), not both"
         )
     if out_scale is not None:
         if out_scale.dtype != "float32" or math.prod(out_scale.shape) != 1:
             raise TypeError(
-                f"{names.out_scale}: expected a float32 array of one element, got {out_scale.dtype} of shape {out_scale.shape}"
+                f"{names.output_scale}: expected a float32 array of one element, got {out_scale.dtype} "
+                f"of shape {out_scale.shape}"
             )
-        expect_device(out_scale, state.device, names.out_scale, names.out)
-        expect_aligned(out_scale, names.out_scale)
-        for other, other_name in others:
-            if other is not out_scale and overlaps(
-                out_scale, other
-            ):  # read by every thread while outputs are written
-                raise ValueError(
-                    f"{names.out_scale}: overlaps {other_name} in memory; the scale needs its own memory"
-                )
+        expect_device(out_scale, state.device, names.output_scale, names.out)
+        expect_aligned(out_scale, names.output_scale)
         return
     assert group_scale is not None and group_size is not None
-    name = names.group_scale
+    name = names.output_block_scale
     if state.head_size % group_size:
-        raise ValueError(
-            f"quant_group_size: expected a divisor of head_size {state.head_size}, got {group_size}"
-        )
-    groups = state.num_heads * state.head_size // group_size
-    expect_ndim(group_scale, 2, name, "[num_tokens, num_heads * head_size / quant_group_size]")
-    if group_scale.dtype != "float32":
-        raise TypeError(f"{name}: expected float32 scales, got dtype {group_scale.dtype}")
-    expect_shape(
-        group_scale,
-        (state.num_tokens, groups),
-        name,
-        "[num_tokens, num_heads * head_size / quant_group_size]",
-    )
+        raise ValueError(f"quant_group_size: expected a divisor of head_size {state.head_size}, got {group_size}")
+    layout = "[num_tokens, num_heads * head_size / quant_group_size]"
+    expect_ndim(group_scale, 2, name, layout)
+    expect_float32(group_scale, name, "float32 scales")
+    expect_shape(group_scale, (state.num_tokens, state.num_heads * state.head_size // group_size), name, layout)
     expect_device(group_scale, state.device, name, names.out)
     expect_aligned(group_scale, name)
     expect_no_self_overlap(group_scale, name)
-    for other, other_name in others:
-        if overlaps(group_scale, other):
-            raise ValueError(
-                f"{name}: overlaps {other_name} in memory; the group scales need their own memory"
-            )
-    for view, view_name in [(out, names.out), *values]:
-        if view.shape[-2] > 1 and view.strides[-2] != state.head_size:
+    values = [(out, names.out)] + [(getattr(specs, f), getattr(names, f)) for f in value_fields]
+    for spec, spec_name in values:
+        if spec.shape[-2] > 1 and spec.strides[-2] != state.head_size:
             raise ValueError(
                 f"{name}: group scales need every value array's heads back to back (head stride = head_size); "
-                f"{view_name} has strides {view.strides}; copy it into a contiguous array"
+                f"{spec_name} has strides {spec.strides}; copy it into a contiguous array"
             )
     # The group kernels count and offset in 32 bits: every array, and every extent (states too).
-    for view, view_name in [(out, names.out), (group_scale, name), *values, *others]:
-        if _span(view) >= INDEX_32_LIMIT or max(view.shape, default=0) >= INDEX_32_LIMIT:
+    for spec, spec_name in _named(specs, names, specs._fields):
+        if span(spec) >= INDEX_32_LIMIT or max(spec.shape, default=0) >= INDEX_32_LIMIT:
             raise ValueError(
-                f"{name}: group scales need arrays that span fewer than 2**30 elements; {view_name} spans more"
+                f"{name}: group scales need arrays that span fewer than 2**30 elements; {spec_name} spans more"
             )
 
 
-def _span(view: ArrayView) -> int:
-    """How many elements from the lowest to the highest one ``view`` reaches."""
-    return sum((n - 1) * abs(stride) for n, stride in zip(view.shape, view.strides) if n > 0)
+def span(spec: ArraySpec) -> int:
+    """How many elements from the lowest to the highest one ``spec`` reaches."""
+    return sum((n - 1) * abs(stride) for n, stride in zip(spec.shape, spec.strides) if n > 0)
 
 
-# -- the cross-rank merge (torch or CuPy arrays, CPU tensors included: plain facts, not views) -----
+# -- the cross-rank merge -----------------------------------------------------------------------
 
 
-def check_rank_state(
-    v_shape: tuple, v_dtype: str, s_shape: tuple, s_dtype: str, v_device: Any, s_device: Any
-) -> tuple[int, int, int]:
-    """One rank's state: ``v`` [tokens, heads, head_size] of a value dtype, ``s`` float32 [heads, tokens]."""
-    if len(v_shape) != 3:
-        raise ValueError(f"v: expected a 3-D array [num_tokens, num_heads, head_size], got shape {v_shape}")
-    if v_dtype not in VALUE_CTYPES:
-        raise TypeError(f"v: expected dtype float32, float16 or bfloat16, got {v_dtype}")
-    if s_dtype != "float32":
-        raise TypeError(f"s: expected a float32 log-sum-exp, got dtype {s_dtype}")
-    num_tokens, num_heads, head_size = v_shape
-    if s_shape != (num_heads, num_tokens):
+#: The cross-rank merge's argument names.
+RANK_NAMES = RankOperands("v", "s", "out", "out_lse", "sinks")
+
+
+def check_rank(
+    specs: RankOperands, names: RankOperands, world: int, shard_heads: bool
+) -> tuple[StateShape, int]:
+    """Every shape rule of a cross-rank merge (``specs`` holds ArraySpecs, CPU tensors on
+    :data:`HOST`): one rank's state as a two-way merge's input, its outputs as a merge's outputs
+    of the result's heads. Returns the state shape and the heads of the result."""
+    v, s = specs.v, specs.s
+    expect_ndim(v, 3, names.v, VALUES_LAYOUT)
+    expect_ndim(s, 2, names.s, LSE_LAYOUT)
+    expect_value_dtype(v, names.v)
+    expect_float32(s, names.s)
+    num_tokens, num_heads, head_size = v.shape
+    expect_lse_shape(s, (num_heads, num_tokens), names.s, names.v)
+    for spec, name in ((v, names.v), (s, names.s)):
+        expect_device(spec, v.device, name, names.v)
+        expect_aligned(spec, name)
+    if shard_heads and num_heads % world:
         raise ValueError(
-            f"s: expected shape (num_heads, num_tokens) = {(num_heads, num_tokens)} from v, got {s_shape}"
+            f"{names.v}: expected num_heads divisible by the {world} ranks to shard heads over them, got {num_heads}"
         )
-    if s_device != v_device:
-        raise ValueError(f"s: expected an array on the device of v ({v_device}), got {s_device}")
-    return num_tokens, num_heads, head_size
+    heads = num_heads // world if shard_heads else num_heads
+    result = StateShape(num_tokens, heads, head_size, v.dtype, v.device)
+    check_outputs_of_result(specs.out, specs.out_lse, result, names)
+    if specs.sinks is not None:
+        expect_sinks(specs.sinks, num_heads, v.device, names.sinks, names.v)
+    state = StateShape(num_tokens, num_heads, head_size, v.dtype, v.device)
+    return state, heads
 
 
-def check_rank_output(name: str, given: tuple, like: tuple) -> None:
-    """An output of the cross-rank merge: ``(shape, dtype, device)`` equal to ``like``'s."""
-    (shape, dtype, device), (like_shape, like_dtype, like_device) = given, like
-    if shape != like_shape or dtype != like_dtype:
-        raise ValueError(f"{name}: expected {like_dtype} of shape {like_shape}, got {dtype} of shape {shape}")
-    if device != like_device:
-        raise ValueError(f"{name}: expected an array on {like_device}, got {device}")
+def check_outputs_of_result(out, out_lse, result: StateShape, names: RankOperands) -> None:
+    """A cross-rank merge's outputs: the result's shape and dtype, then a merge output's rules."""
+    for spec, name, shape, dtype in (
+        (out, names.out, (result.num_tokens, result.num_heads, result.head_size), result.dtype),
+        (out_lse, names.out_lse, (result.num_heads, result.num_tokens), "float32"),
+    ):
+        if spec is None:
+            continue
+        if tuple(spec.shape) != shape or spec.dtype != dtype:
+            raise ValueError(f"{name}: expected {dtype} of shape {shape}, got {spec.dtype} of shape {tuple(spec.shape)}")
+        if spec is out:
+            expect_unit_last_stride(spec, name)
+        expect_device(spec, result.device, name, names.v)
+        expect_aligned(spec, name)
+        expect_no_self_overlap(spec, name)
+
+
+def check_rank_addresses(views: RankOperands, names: RankOperands) -> None:
+    """The outputs may not alias the inputs or each other (collectives read and write around them)."""
+    inputs = [(getattr(views, f), getattr(names, f)) for f in ("v", "s", "sinks") if getattr(views, f) is not None]
+    outputs = [(getattr(views, f), getattr(names, f)) for f in ("out", "out_lse") if getattr(views, f) is not None]
+    expect_separate(outputs, inputs)

@@ -1,283 +1,413 @@
 """The one call sequence every merge goes through, and the operations it serves.
 
-A public merge normalises its options (``_checks``), lists its arrays in its
-operation's order and calls :func:`call`:
+A public merge normalises its options (``_checks``), names its operands in its
+family's record (``_operands``) and calls :func:`call`:
 
-1. *fingerprint* the arrays (pointer, shape, strides, dtype, device of each);
-2. *look up* the prepared call for that fingerprint and the options;
-3. on a miss, *prepare* it: describe every array (``_arrays``), check every rule
-   (``_checks``), choose the launch (``_plan``), compile and pack it (``_kernels``);
+1. *fingerprint* the arrays (address, shape, strides, dtype, device of each);
+2. *look up* the call prepared for that fingerprint, the options and the tuning;
+3. on a miss, *prepare* it: describe every array (``_arrays``); find the
+   *plan* for their specialisation (shape, strides, dtype, alignment class,
+   device: no addresses), made once by checking every shape rule (``_checks``)
+   and choosing the launches (``_plan``); check the address rules; *bind* the
+   plan's pointer slots to the addresses (``_kernels``);
 4. *remember* it (only calls whose every array has a fingerprint);
 5. *run* it: allocate the outputs the caller did not give, on the stream that
-   writes them, patch their pointers in, and launch.
+   writes them, patch their addresses in, and launch.
 
-:func:`prepare` is also what ``bind`` uses, once, with nothing cached.
+Arrays without a cheap fingerprint (DLPack producers) take steps 3 and 5 on
+every call, but their plan is found again by its specialisation. JAX arrays and
+tracers, and calls under ``torch.compile``, are handed to the framework
+integration that registered for them (``cupy_merge.jax``, ``cupy_merge.torch_ops``),
+which plans from shapes alone with :func:`plan_specs`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
-from . import _arrays, _checks, _kernels, _plan
-from ._arrays import ArrayView
+from . import _arrays, _checks, _kernels, _plan, _tuning
+from ._arrays import ArraySpec, ArrayView
 from ._catalogue import ITEMSIZES
+from ._operands import (
+    WRITTEN,
+    BackwardOperands,
+    ForwardOperands,
+    ManyStateOperands,
+    Operands,
+    Options,
+    TwoStateOperands,
+)
 
 _MAX_CALLS = 4096
+#: Prepared calls by fingerprint, for the default tuning (others: ``_calls_by_tuning``).
 _calls: dict[tuple, Call] = {}
-
-#: Passed as ``stream`` by ``bind``: the merge returns its prepared call instead of running.
-PREPARE = object()
-
-OUT, OUT_LSE = 0, 1  # every operation's arrays start with its two outputs
-# ... and end with the FP8 output's scales: per tensor (read) and per group (written).
-TWO_MASK, TWO_OUT_SCALE, TWO_GROUP_SCALE = 6, 7, 8
-MANY_INDPTR, MANY_OUT_SCALE, MANY_GROUP_SCALE = 4, 5, 6
+_calls_by_tuning: dict[_tuning.Tuning, dict[tuple, Call]] = {}
+#: Plans by specialisation (and options, tuning).
+_plans: dict[tuple, Planned] = {}
 
 
-class Operation(NamedTuple):
+#: What a merge returns: its values and LSE.
+FORWARD_RESULTS = ("out", "out_lse")
+
+
+class Operation:
     """A public merge as the dispatcher sees it.
 
-    ``names`` spell the arguments as the public function does, in the order of its
-    arrays: ``(out, out_lse, v_a, s_a, v_b, s_b, mask, output_scale, output_block_scale)``
-    for two-way merges, ``(out, out_lse, v, s, indptr, output_scale, output_block_scale)``
-    for N-way ones.
+    ``names`` is the family's operand record holding the public function's
+    argument names (for error messages, and for ``bind`` to find the arguments);
+    ``options`` builds the family's options from the public keyword arguments of
+    the same names. Compared by identity: one object per public merge.
     """
 
-    name: str
-    names: _checks.TwoStateNames | _checks.ManyStateNames
-    many: bool  # N-way (plan_many_states) or two-way
-    allocates: bool  # outputs left as None are allocated (else out_lse None is simply not written)
-    returns: bool  # the public function returns (out, out_lse)
-    optional: frozenset[int]  # positions that may be None
-    written: frozenset[int]  # positions the merge writes
+    __slots__ = ("allocates", "name", "names", "options", "required", "results", "returns")
 
-    @classmethod
-    def two_states(
-        cls, name: str, names: _checks.TwoStateNames, *, allocates: bool, returns: bool
-    ) -> Operation:
-        optional = {OUT_LSE, TWO_MASK, TWO_OUT_SCALE, TWO_GROUP_SCALE} | ({OUT} if allocates else set())
-        written = frozenset({OUT, OUT_LSE, TWO_GROUP_SCALE})
-        return cls(name, names, False, allocates, returns, frozenset(optional), written)
+    def __init__(
+        self,
+        name: str,
+        names: Operands,
+        options: Callable[..., Options],
+        *,
+        allocates: bool,
+        returns: bool,
+        ragged: bool = False,
+    ):
+        self.name = name
+        self.names = names
+        self.options = options
+        self.allocates = allocates  # outputs left as None are allocated (else out_lse None: not written)
+        self.returns = returns  # the public function returns its results (below)
+        if isinstance(names, BackwardOperands):
+            two_way = bool(names.v_b)
+            self.results: tuple[str, ...] = (
+                ("grad_v", "grad_s", "grad_v_b", "grad_s_b", "grad_sinks") if two_way else ("grad_v", "grad_s", "grad_sinks")
+            )
+        else:
+            self.results = FORWARD_RESULTS
+        if isinstance(names, TwoStateOperands):
+            inputs: tuple[str, ...] = ("v_a", "s_a", "v_b", "s_b")
+        elif isinstance(names, BackwardOperands):
+            inputs = ("v", "s", "grad_out") + (("v_b", "s_b") if names.v_b else ())
+        else:
+            inputs = ("v", "s")
+        self.required = frozenset(inputs + (("indptr",) if ragged else ()) + (() if allocates else ("out",)))
 
-    @classmethod
-    def many_states(cls, name: str, *, ragged: bool) -> Operation:
-        optional = {OUT, OUT_LSE, MANY_OUT_SCALE, MANY_GROUP_SCALE} | (set() if ragged else {MANY_INDPTR})
-        written = frozenset({OUT, OUT_LSE, MANY_GROUP_SCALE})
-        return cls(name, _checks.ManyStateNames(), True, True, True, frozenset(optional), written)
+    @property
+    def many(self) -> bool:
+        return isinstance(self.names, ManyStateOperands)
+
+    def __repr__(self) -> str:
+        return f"<merge operation {self.name}>"
 
 
 class FreshOutput(NamedTuple):
-    """An output allocated anew on each run: its position in the arrays and its kernel argument slot."""
+    """An output allocated anew on each run: its operand field, shape and dtype (``zeroed``: filled
+    with zeros, for outputs the kernel adds into or may leave partly unwritten)."""
 
-    position: int
-    slot: int
+    field: str
     shape: tuple[int, ...]
     dtype: str
-
-
-class Call(NamedTuple):
-    launch: _kernels.PreparedLaunch | None  # None: nothing to launch (no tokens or heads)
-    adapter: _arrays.Adapter  # results are handed back in its kind
-    device: int
-    fresh: tuple[FreshOutput, ...]
-    indptr_rows: int | None  # set when indptr's values are checked on the host on each run
-
-
-class Prepared(NamedTuple):
-    """What a merge returns when called with ``stream=PREPARE``."""
-
-    operation: Operation
-    call: Call
-    arrays: tuple
-
-
-def call(operation: Operation, options: tuple, arrays: tuple, stream: Any) -> Any:
-    """Run one merge: the cached prepared call for these arrays and options, or a new one."""
-    if stream is PREPARE:
-        return Prepared(operation, prepare(operation, options, arrays), arrays)
-    fingerprint = _arrays.fingerprints(arrays)
-    if fingerprint is None:  # an array kind without a cheap fingerprint: always the full path
-        return run(operation, prepare(operation, options, arrays), arrays, stream)
-    key = (operation.name, options, fingerprint)
-    prepared = _calls.get(key)
-    if prepared is None:
-        prepared = prepare(operation, options, arrays)
-        if len(_calls) >= _MAX_CALLS:
-            _calls.clear()
-        _calls[key] = prepared
-    return run(operation, prepared, arrays, stream)
-
-
-def prepare(operation: Operation, options: tuple, arrays: tuple) -> Call:
-    """Describe, check and plan one merge, and pack its launch; nothing runs on the GPU."""
-    names = operation.names
-    primary = 2  # v_a or v: results come back in its kind
-    adapter = _arrays.adapter_for(arrays[primary], names[primary])
-    views: list[ArrayView | None] = [None] * len(arrays)
-    for position in [*range(primary, len(arrays)), OUT, OUT_LSE]:  # inputs first
-        obj = arrays[position]
-        if obj is None and position in operation.optional:
-            continue
-        kind = _arrays.adapter_for(obj, names[position])
-        if position in operation.written and not kind.writable:
-            raise TypeError(
-                f"{names[position]}: JAX arrays are immutable and cannot be written in place; leave it out "
-                f"(merge_state and merge_states return new arrays) or pass a CuPy array or torch tensor"
-            )
-        views[position] = kind.describe(obj, names[position])
-    planned = plan_call(operation, options, views)
-    launch = None if planned.plan is None else _kernels.prepare(planned.plan, planned.device)
-    return Call(launch, adapter, planned.device, planned.fresh, planned.indptr_rows)
+    zeroed: bool = False
 
 
 class Planned(NamedTuple):
-    plan: _plan.LaunchPlan | None
-    device: int
+    """What a specialisation gets: its launches, state shape, outputs to allocate, and how many
+    rows a ragged merge's offsets may reach when they are checked on the host (else None)."""
+
+    plan: _plan.Plan
+    state: _checks.StateShape
     fresh: tuple[FreshOutput, ...]
     indptr_rows: int | None
 
 
-def plan_call(operation: Operation, options: tuple, views: list[ArrayView | None]) -> Planned:
-    """Every check of one merge and its launch plan, from the arrays' views: pure and GPU-free.
+class Call(NamedTuple):
+    """A plan bound to addresses: what a fast-path hit runs."""
+
+    launches: tuple[_kernels.PreparedLaunch, ...]
+    adapter: _arrays.Adapter  # results are handed back in its kind
+    device: int
+    fresh: tuple[tuple[FreshOutput, tuple[tuple[int, int], ...]], ...]  # with (launch, slot) to patch
+    indptr_rows: int | None
+    grad: bool = False  # an input requires grad: run through autograd when grad mode is on
+
+
+# -- framework integrations -----------------------------------------------------------------------
+
+
+def _never() -> bool:
+    return False
+
+
+_compiling: Callable[[], bool] = _never
+_compiled_call: Callable[..., Any] | None = None
+_jax_call: Callable[..., Any] | None = None
+_grad_enabled: Callable[[], bool] = _never
+_autograd_call: Callable[..., Any] | None = None
+
+
+def register_compiler(compiling: Callable[[], bool], compiled_call: Callable[..., Any]) -> None:
+    """Under a compiler (``compiling()`` true while tracing) hand every call to ``compiled_call``."""
+    global _compiling, _compiled_call
+    _compiling, _compiled_call = compiling, compiled_call
+
+
+def register_autograd(grad_enabled: Callable[[], bool], autograd_call: Callable[..., Any]) -> None:
+    """Hand calls whose inputs require grad, while ``grad_enabled()``, to
+    ``autograd_call(operation, options, operands, stream)`` (torch autograd)."""
+    global _grad_enabled, _autograd_call
+    _grad_enabled, _autograd_call = grad_enabled, autograd_call
+
+
+def register_jax(jax_call: Callable[..., Any]) -> None:
+    """Hand merges of JAX arrays and tracers to ``jax_call(operation, options, operands, stream)``."""
+    global _jax_call
+    _jax_call = jax_call
+
+
+# -- the call sequence ----------------------------------------------------------------------------
+
+
+def call(operation: Operation, options: Options, operands: Operands, stream: Any) -> Any:
+    """Run one merge: the call prepared for these arrays, options and tuning, or a new one."""
+    if _compiling():
+        return _compiled_call(operation, options, operands, stream)  # type: ignore[misc]
+    fingerprint = _arrays.fingerprints(operands)
+    if fingerprint is None:  # an array kind without a cheap fingerprint
+        return _call_by_kind(operation, options, operands, stream)
+    tuning = _tuning.current()
+    calls = _calls if tuning is _tuning.DEFAULT else _calls_by_tuning.setdefault(tuning, {})
+    key = (operation, options, fingerprint)
+    prepared = calls.get(key)
+    if prepared is None:
+        prepared = prepare(operation, options, operands, tuning)
+        if len(calls) >= _MAX_CALLS:
+            calls.clear()
+        calls[key] = prepared
+    if prepared.grad and _grad_enabled():
+        return _autograd_call(operation, options, operands, stream)  # type: ignore[misc]
+    return run(operation, prepared, operands, stream)
+
+
+def _call_by_kind(operation: Operation, options: Options, operands: Operands, stream: Any) -> Any:
+    primary = operands[2]  # v_a or v
+    if _arrays.is_jax(primary) and _jax_call is not None:
+        return _jax_call(operation, options, operands, stream)
+    return run(operation, prepare(operation, options, operands, _tuning.current()), operands, stream)
+
+
+def prepare(operation: Operation, options: Options, operands: Operands, tuning: _tuning.Tuning) -> Call:
+    """Describe, check and plan one merge, and bind its launches; nothing runs on the GPU."""
+    names = operation.names
+    fields = operands._fields
+    adapter = _arrays.adapter_for(operands[2], names[2])  # v_a or v: results come back in its kind
+    views: dict[str, ArrayView] = {}
+    for field in (*fields[2:], *fields[:2]):  # inputs first
+        obj = getattr(operands, field)
+        name = getattr(names, field)
+        if obj is None and field not in operation.required:
+            continue
+        kind = _arrays.adapter_for(obj, name)
+        if field in WRITTEN and not kind.writable(obj):
+            what = "JAX arrays are immutable and cannot be written in place" if kind is _arrays.JAX else (
+                "a read-only array cannot be written"
+            )
+            raise TypeError(
+                f"{name}: {what}; leave it out (merge_state and merge_states return new arrays) or pass "
+                f"a CuPy array or torch tensor"
+            )
+        views[field] = kind.describe(obj, name)
+    described = type(operands)(**{field: views.get(field) for field in fields})
+    planned = plan_for(operation, options, tuning, described)
+    if isinstance(described, TwoStateOperands):
+        _checks.check_two_addresses(described, names)  # type: ignore[arg-type]
+    elif isinstance(described, ManyStateOperands):
+        _checks.check_many_addresses(described, names)  # type: ignore[arg-type]
+    # A gradient's outputs are always its own fresh arrays: no address rule applies.
+    addresses = {field: view.ptr for field, view in views.items()}
+    device = planned.state.device
+    launches = tuple(
+        _kernels.prepare(launch, device, addresses, tuning.programmatic_launch) for launch in planned.plan
+    )
+    fresh = tuple(
+        (output, tuple((index, slot) for index, launch in enumerate(planned.plan) for slot in launch.slots(output.field)))
+        for output in planned.fresh
+    )  # fmt: skip
+    grad = adapter is _arrays.TORCH and any(
+        getattr(getattr(operands, field), "requires_grad", False) for field in views if field not in WRITTEN
+    )
+    if grad and not operation.returns:
+        raise RuntimeError(
+            f"{operation.name}: writes into its arguments, so autograd cannot differentiate it; an input "
+            f"requires grad: use merge_state, merge_states or merge_states_varlen (functional)"
+        )
+    return Call(launches, adapter, device, fresh, planned.indptr_rows, grad)
+
+
+def plan_for(operation: Operation, options: Options, tuning: _tuning.Tuning, views: Operands) -> Planned:
+    """The plan of these arrays' specialisation: found again, or made by :func:`plan_specs`."""
+    specs = type(views)(*(None if view is None else view.spec for view in views))
+    lse_in_place = (
+        isinstance(views, TwoStateOperands)
+        and views.out_lse is not None
+        and views.out_lse in (views.s_a, views.s_b)
+    )
+    key = (operation, options, tuning, specs, lse_in_place)
+    planned = _plans.get(key)
+    if planned is None:
+        planned = plan_specs(operation, options, tuning, specs, lse_in_place)
+        if len(_plans) >= _MAX_CALLS:
+            _plans.clear()
+        _plans[key] = planned
+    return planned
+
+
+def plan_specs(
+    operation: Operation, options: Options, tuning: _tuning.Tuning, specs: Operands, lse_in_place: bool = False
+) -> Planned:
+    """Every shape rule of one merge and its launch plan, from its operands' specs: pure, GPU-free.
 
     Outputs the caller left out (``None``, where the operation allocates) are
-    planned as fresh C-contiguous arrays; their pointers are patched in on each run.
+    planned as fresh C-contiguous arrays. ``lse_in_place``: a two-way merge's
+    ``out_lse`` is its ``s_a`` or ``s_b`` itself.
     """
+    names = operation.names
+    if isinstance(specs, BackwardOperands):
+        return _plan_backward(operation, options, tuning, specs)
+    scaled = specs.output_scale is not None or specs.output_block_scale is not None
+    specs = specs._replace(out=_checks.fp8_bytes(specs.out, scaled))
     if operation.many:
-        return _plan_many(operation, cast(_plan.ManyStateOptions, options), views)
-    return _plan_two(operation, cast(_plan.TwoStateOptions, options), views)
+        state, num_states = _checks.check_many_inputs(specs, names)  # type: ignore[arg-type]
+    else:
+        state, num_states = _checks.check_two_inputs(specs, names), 2  # type: ignore[arg-type]
+    specs, fresh = _fresh_outputs(operation, options.out_dtype, state, specs)  # type: ignore[union-attr]
+    if operation.many:
+        _checks.check_many(specs, names, options)  # type: ignore[arg-type]
+        plan = _plan.plan_many_states(state, num_states, specs, options, tuning)  # type: ignore[arg-type]
+        check_rows = specs.indptr is not None and options.check_indptr  # type: ignore[union-attr]
+        return Planned(plan, state, fresh, num_states if check_rows else None)
+    _checks.check_two(specs, names, options)  # type: ignore[arg-type]
+    plan = _plan.plan_two_states(state, specs, options, tuning, lse_in_place)  # type: ignore[arg-type]
+    return Planned(plan, state, fresh, None)
 
 
-def _plan_two(operation: Operation, options: _plan.TwoStateOptions, views: list[ArrayView | None]) -> Planned:
-    names = cast(_checks.TwoStateNames, operation.names)
-    out, out_lse, v_a, s_a, v_b, s_b, mask, out_scale, group_scale = views
-    state = _checks.check_two_inputs(_given(v_a), _given(s_a), _given(v_b), _given(s_b), names)
-    out = _checks.fp8_bytes(out, out_scale is not None or group_scale is not None)
-    out, out_lse, fresh = _outputs(operation, options.out_dtype, state, out, out_lse)
-    _checks.check_two_states(
-        out, out_lse, _given(v_a), _given(s_a), _given(v_b), _given(s_b), mask, state, names
-    )
-    values = [(_given(v_a), names.v_a), (_given(v_b), names.v_b)]
-    others = _named(views, names, exclude=TWO_GROUP_SCALE)
-    _checks.check_quantisation(out, out_scale, group_scale, options.group_size, values, others, state, names)
-    scales = _plan.OutputScales(out_scale, group_scale)
-    plan = _plan.plan_two_states(
-        state, out, out_lse, _given(v_a), _given(s_a), _given(v_b), _given(s_b), mask, options, scales
-    )
-    return Planned(plan, state.device, _fresh(fresh, plan), None)
-
-
-def _plan_many(
-    operation: Operation, options: _plan.ManyStateOptions, views: list[ArrayView | None]
+def _plan_backward(
+    operation: Operation, options: Any, tuning: _tuning.Tuning, specs: BackwardOperands
 ) -> Planned:
-    names = cast(_checks.ManyStateNames, operation.names)
-    out, out_lse, v, s, indptr, out_scale, group_scale = views
-    state, num_states = _checks.check_many_inputs(_given(v), _given(s), indptr, names)
-    out = _checks.fp8_bytes(out, out_scale is not None or group_scale is not None)
-    out, out_lse, fresh = _outputs(operation, options.out_dtype, state, out, out_lse)
-    _checks.check_many_states(out, out_lse, _given(v), _given(s), indptr, state, names)
-    others = _named(views, names, exclude=MANY_GROUP_SCALE)
-    _checks.check_quantisation(
-        out, out_scale, group_scale, options.group_size, [(_given(v), names.v)], others, state, names
-    )
-    scales = _plan.OutputScales(out_scale, group_scale)
-    plan = _plan.plan_many_states(
-        state, num_states, out, out_lse, _given(v), _given(s), indptr, options, scales
-    )
-    indptr_rows = num_states if indptr is not None and options.check_indptr else None
-    return Planned(plan, state.device, _fresh(fresh, plan), indptr_rows)
+    """A merge's gradient: every gradient allocated C-contiguous, like the array it is of (the
+    sinks' zeroed, as every token adds into them; a ragged batch's too, rows no token owns)."""
+    state, num_states = _checks.check_backward(specs, operation.names, options)  # type: ignore[arg-type]
+    ragged = specs.indptr is not None
+    fresh = []
+    pairs = [("grad_v", specs.v), ("grad_s", specs.s)]
+    if specs.v_b is not None:
+        pairs += [("grad_v_b", specs.v_b), ("grad_s_b", specs.s_b)]
+    for field, like in pairs:
+        dtype = like.dtype
+        fresh.append(FreshOutput(field, tuple(like.shape), dtype, ragged))
+        specs = specs._replace(**{field: _arrays.contiguous_spec(tuple(like.shape), dtype, like.itemsize, state.device)})
+    if specs.sinks is not None:
+        fresh.append(FreshOutput("grad_sinks", (state.num_heads,), "float32", True))
+        specs = specs._replace(grad_sinks=_arrays.contiguous_spec((state.num_heads,), "float32", 4, state.device))
+    plan = _plan.plan_backward(state, num_states, specs, options, tuning)
+    return Planned(plan, state, tuple(fresh), None)
 
 
-def _named(views: list[ArrayView | None], names: tuple, exclude: int) -> list[tuple[ArrayView, str]]:
-    """Every given view but one, with its argument name (a shared view is listed once)."""
-    named: list[tuple[ArrayView, str]] = []
-    for position, (view, name) in enumerate(zip(views, names)):
-        if view is not None and position != exclude and all(view is not seen for seen, _ in named):
-            named.append((view, name))
-    return named
-
-
-def _given(view: ArrayView | None) -> ArrayView:
-    """A view ``prepare`` described: only optional positions may be None."""
-    assert view is not None
-    return view
-
-
-def _outputs(
-    operation: Operation,
-    out_dtype: str | None,
-    state: _checks.StateShape,
-    out: ArrayView | None,
-    out_lse: ArrayView | None,
-) -> tuple[ArrayView, ArrayView | None, list[tuple[int, tuple[int, ...], str]]]:
-    """The outputs' views; the ones to allocate as fresh views, listed as (position, shape, dtype)."""
+def _fresh_outputs(
+    operation: Operation, out_dtype: str | None, state: _checks.StateShape, specs: ForwardOperands
+) -> tuple[ForwardOperands, tuple[FreshOutput, ...]]:
+    """The outputs to allocate, as C-contiguous specs, and the list of them."""
+    out = specs.out
     if out_dtype is not None and out is not None and out.dtype != out_dtype:
         raise TypeError(
-            f"out_dtype: expected the dtype of {operation.names.out} ({out.dtype}) or None, got {out_dtype!r}"
+            f"out_dtype: expected the dtype of {cast(ForwardOperands, operation.names).out} ({out.dtype}) or None, "
+            f"got {out_dtype!r}"
         )
-    fresh: list[tuple[int, tuple[int, ...], str]] = []
-    if operation.allocates and out is None:
-        shape = (state.num_tokens, state.num_heads, state.head_size)
-        out = _fresh_view(shape, out_dtype or state.dtype, state.device)
-        fresh.append((OUT, shape, out.dtype))
-    if operation.allocates and out_lse is None:
-        out_lse = _fresh_view((state.num_heads, state.num_tokens), "float32", state.device)
-        fresh.append((OUT_LSE, out_lse.shape, "float32"))
-    return _given(out), out_lse, fresh
+    if not operation.allocates:
+        return specs, ()
+    fresh = []
+    if out is None:
+        dtype = out_dtype or state.dtype
+        values = (state.num_tokens, state.num_heads, state.head_size)
+        specs = specs._replace(out=_arrays.contiguous_spec(values, dtype, ITEMSIZES[dtype], state.device))
+        fresh.append(FreshOutput("out", values, dtype))
+    if specs.out_lse is None:
+        lse = (state.num_heads, state.num_tokens)
+        specs = specs._replace(out_lse=_arrays.contiguous_spec(lse, "float32", 4, state.device))
+        fresh.append(FreshOutput("out_lse", lse, "float32"))
+    return specs, tuple(fresh)
 
 
-def _fresh(
-    fresh: list[tuple[int, tuple[int, ...], str]], plan: _plan.LaunchPlan | None
-) -> tuple[FreshOutput, ...]:
-    slots = {OUT: plan.out_slot, OUT_LSE: plan.out_lse_slot} if plan is not None else {OUT: 0, OUT_LSE: 0}
-    return tuple(FreshOutput(position, slots[position], shape, dtype) for position, shape, dtype in fresh)
-
-
-def _fresh_view(shape: tuple[int, ...], dtype: str, device: int) -> ArrayView:
-    """An output to be allocated: C-contiguous, aligned, sharing memory with nothing (null until allocated)."""
-    strides, step = [], 1
-    for extent in reversed(shape):
-        strides.append(step)
-        step *= extent
-    return ArrayView(0, shape, tuple(reversed(strides)), dtype, ITEMSIZES[dtype], device)
-
-
-def run(operation: Operation, prepared: Call, arrays: tuple, stream: Any) -> Any:
+def run(operation: Operation, prepared: Call, operands: Operands, stream: Any) -> Any:
     """Launch a prepared call on ``stream`` (default: the current stream of the arrays' kind)."""
     adapter, device = prepared.adapter, prepared.device
-    stream_ptr = adapter.current_stream(device) if stream is None else _arrays.stream_pointer(stream)
+    if stream is None:
+        stream_ptr = adapter.current_stream(device)
+    else:
+        stream_ptr = _arrays.stream_pointer(stream)
+        check_stream(stream_ptr, prepared)
     if prepared.indptr_rows is not None:
-        check_values(operation, prepared, arrays)
-    out, out_lse = arrays[OUT], arrays[OUT_LSE]
+        check_values(operation, prepared, operands, stream_ptr)
+    outputs: dict[str, Any] = {}
     if prepared.fresh:
-        out, out_lse, patches = allocate(prepared, out, out_lse, None if stream is None else stream_ptr)
-        if prepared.launch is not None:
-            _kernels.launch_patched(prepared.launch, stream_ptr, patches)
-    elif prepared.launch is not None:
-        _kernels.launch(prepared.launch, stream_ptr)
+        outputs, patches = allocate(prepared, None if stream is None else stream_ptr)
+        for index, launch in enumerate(prepared.launches):
+            _kernels.launch_patched(launch, stream_ptr, patches[index])
+    else:
+        for launch in prepared.launches:
+            _kernels.launch(launch, stream_ptr)
     if not operation.returns:
         return None
-    return adapter.result(out), adapter.result(out_lse)
+    if operation.results is FORWARD_RESULTS:  # the common case, without a loop
+        forward = cast(ForwardOperands, operands)
+        return adapter.result(outputs.get("out", forward.out)), adapter.result(outputs.get("out_lse", forward.out_lse))
+    return tuple(
+        adapter.result(outputs[field] if field in outputs else getattr(operands, field))
+        for field in operation.results
+    )
 
 
-def check_values(operation: Operation, prepared: Call, arrays: tuple) -> None:
-    """The checks of argument *values* that run on every call: a ragged merge's indptr, when asked."""
+def check_stream(stream_ptr: int, prepared: Call) -> None:
+    """A stream given by the caller must belong to the arrays' device (the default and per-thread
+    streams of the current device always do)."""
+    if stream_ptr > 2 and prepared.launches:
+        context = _kernels.stream_context(stream_ptr)
+        if context != prepared.launches[0].context:
+            raise ValueError(
+                f"stream: expected a stream of device {prepared.device}, where the arrays are; got one "
+                f"of another device (or context)"
+            )
+
+
+def check_values(operation: Operation, prepared: Call, operands: Operands, stream: int | None = None) -> None:
+    """The checks of argument *values* that run on every call: a ragged merge's indptr, when asked,
+    copied to the host on the merge's stream."""
     if prepared.indptr_rows is not None:
-        names = cast(_checks.ManyStateNames, operation.names)
-        _checks.indptr_values(_arrays.to_numpy(arrays[MANY_INDPTR]), prepared.indptr_rows, names.indptr)
+        if stream is not None and _kernels.capturing(stream):
+            return  # a CUDA-graph capture cannot read the device: the kernel guards the offsets (NaN rows)
+        values = _arrays.to_numpy(operands.indptr, stream)  # type: ignore[union-attr]
+        _checks.indptr_values(values, prepared.indptr_rows, operation.names.indptr)  # type: ignore[union-attr]
 
 
-def allocate(prepared: Call, out: Any, out_lse: Any, stream: int | None) -> tuple[Any, Any, list]:
-    """The call's fresh outputs, allocated for ``stream`` (None: the current one), and their pointer patches."""
+def allocate(prepared: Call, stream: int | None) -> tuple[dict[str, Any], list[list[tuple[int, int]]]]:
+    """The call's fresh outputs by field, allocated for ``stream`` (None: the current one), and each
+    launch's pointer patches."""
     adapter, device = prepared.adapter, prepared.device
     if stream is not None and stream == adapter.current_stream(device):
         stream = None
-    patches = []
-    for fresh in prepared.fresh:
-        array = adapter.empty(fresh.shape, fresh.dtype, device, stream)
-        patches.append((fresh.slot, adapter.pointer(array)))
-        if fresh.position == OUT:
-            out = array
-        else:
-            out_lse = array
-    return out, out_lse, patches
+    outputs: dict[str, Any] = {}
+    patches: list[list[tuple[int, int]]] = [[] for _ in prepared.launches]
+    for output, slots in prepared.fresh:
+        array = adapter.empty(output.shape, output.dtype, device, stream, output.zeroed)
+        outputs[output.field] = array
+        pointer = adapter.pointer(array)
+        for index, slot in slots:
+            patches[index].append((slot, pointer))
+    return outputs, patches
+
+
+def describe_specs(operands: Operands, names: Operands, spec_of: Callable[[Any, str], ArraySpec]) -> Operands:
+    """The operands' specs by ``spec_of(array, name)``, for integrations that plan without
+    addresses (torch fake tensors, JAX abstract values)."""
+    return type(operands)(
+        *(None if obj is None else spec_of(obj, name) for obj, name in zip(operands, names))
+    )

@@ -1,34 +1,49 @@
-"""Kernel source, NVRTC compilation and launches.
+"""Kernel source, the one compile path, and launches.
 
 The CUDA source ships inside the package (``cupy_merge/cuda_src``, the
-repository's top-level ``cuda_src/``). It is compiled at run time with NVRTC
-through :class:`cupy.RawModule`, one module per (source, dtype pair) and
-device holding every instantiation of ``_catalogue``, and each kernel function
-is looked up once per device. A launch goes straight to ``cuLaunchKernel`` with
-the arguments packed once into an int64 buffer: every kernel parameter is a
-pointer or an integer (32-bit ones read the low half of their slot).
+repository's top-level ``cuda_src/``). A :class:`~cupy_merge._catalogue.Module`
+(one source, one dtype pair, one set of compile options) is compiled by NVRTC
+for one architecture by :func:`compile_module`, for the GPU at hand or ahead of
+time (``python -m cupy_merge --arch 90``) alike, and kept on disk in
+:func:`cache_folder` keyed by what went in (source, options, instantiations,
+architecture): a later process, or a GPU machine fed by an ``--arch`` run
+elsewhere, loads the binary without calling NVRTC at all. Binaries are loaded
+with the driver (through CuPy) once per device, and each kernel is looked up
+once per device.
+
+A launch goes straight to ``cuLaunchKernel`` with the arguments packed once
+into an int64 buffer (every kernel parameter is a pointer or an integer;
+32-bit ones read the low half of their slot), or to ``cuLaunchKernelEx`` with
+programmatic stream serialisation on sm_90 and newer (``Tuning.programmatic_launch``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import ctypes
+import functools
 import hashlib
 import importlib.resources
 import json
 import logging
+import multiprocessing
 import os
 import pathlib
 import re
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import cupy
 import numpy
 
 from . import _catalogue as cat
-from ._plan import LaunchPlan
+from ._plan import KernelLaunch
 
-_INCLUDE = re.compile(r'^#include "([^"]+)"$', re.MULTILINE)
+_INCLUDE = re.compile(r'^#include "([^"]+)"\n', re.MULTILINE)
 _log = logging.getLogger("cupy_merge")
 
 #: NVRTC could not be loaded: what to install, in one line.
@@ -62,58 +77,226 @@ class KernelCompileError(RuntimeError):
 
 
 def kernel_source(name: str) -> str:
-    """A kernel file's text with its local ``#include "..."`` files inlined.
+    """A kernel file's text with its local ``#include "..."`` files inlined, each once.
 
-    Inlining keeps the whole program in one string, so CuPy's on-disk kernel
-    cache (keyed by source text) can never pair a new header with an old binary.
+    Inlining keeps the whole program in one string, so the cache key (the source
+    text) can never pair a new header with an old binary.
     """
-    return with_includes(
-        (importlib.resources.files("cupy_merge.cuda_src") / name).read_text(encoding="utf-8")
-    )
+    return with_includes(_read(name))
 
 
-def with_includes(source: str) -> str:
-    """``source`` with each ``#include "file"`` of the shipped ``cuda_src/`` replaced by the file's text."""
-    folder = importlib.resources.files("cupy_merge.cuda_src")
-    return _INCLUDE.sub(lambda match: (folder / match.group(1)).read_text(encoding="utf-8"), source)
+def _read(name: str) -> str:
+    return (_source_folder() / name).read_text(encoding="utf-8")
+
+
+@functools.cache
+def _source_folder():
+    """The shipped ``cuda_src`` (a package resource); in a source tree imported as it is (an
+    unpacked sdist, a checkout on ``PYTHONPATH``), the top-level ``cuda_src/`` beside the package."""
+    try:
+        return importlib.resources.files("cupy_merge.cuda_src")
+    except ModuleNotFoundError:
+        return pathlib.Path(__file__).resolve().parent.parent / "cuda_src"
+
+
+def with_includes(source: str, seen: set[str] | None = None) -> str:
+    """``source`` with each ``#include "file"`` of the shipped ``cuda_src/`` replaced by the file's
+    text (nested includes too, each file once; their ``#pragma once`` dropped)."""
+    seen = set() if seen is None else seen
+
+    def inline(match: re.Match) -> str:
+        name = match.group(1)
+        if name in seen:
+            return ""
+        seen.add(name)
+        return with_includes(_read(name).replace("#pragma once\n", ""), seen)
+
+    return _INCLUDE.sub(inline, source)
+
+
+class NvrtcMissing(RuntimeError):
+    """NVRTC cannot be loaded; the message says which wheel to install."""
 
 
 def nvrtc_version() -> tuple[int, int]:
-    """NVRTC's version; ``RuntimeError`` with what to install when it cannot be loaded."""
+    """NVRTC's version; :class:`NvrtcMissing` with what to install when it cannot be loaded."""
     try:
         major, minor = cupy.cuda.nvrtc.getVersion()
         return int(major), int(minor)
     except Exception as error:  # noqa: BLE001 - CuPy raises several kinds when the library is missing
-        raise RuntimeError(f"{NVRTC_HINT} ({type(error).__name__})") from None
+        raise NvrtcMissing(f"{NVRTC_HINT} ({type(error).__name__})") from None
 
 
-_modules: dict[tuple[cat.Module, int], cupy.RawModule] = {}
+def supported_architectures() -> tuple[int, ...]:
+    """The architectures this NVRTC compiles for, e.g. ``(75, 80, 86, 89, 90, ...)``."""
+    nvrtc_version()
+    return tuple(int(arch) for arch in cupy.cuda.nvrtc.getSupportedArchs())
 
 
-def _module(module: cat.Module, device: int) -> cupy.RawModule:
-    """One module per (source, input dtype, output dtype) and device, compiled on first use.
+# -- compiling ----------------------------------------------------------------------------------
 
-    Called with ``_functions_lock`` held. CuPy keeps the binary in its on-disk
-    cache, so another process loads it without compiling.
+
+class Target(NamedTuple):
+    """What NVRTC produces: a cubin for ``sm_<arch>``, or PTX for ``compute_<arch>`` (a GPU newer
+    than this NVRTC knows: the driver compiles the PTX when it loads it)."""
+
+    arch: str
+    ptx: bool = False
+
+    @property
+    def option(self) -> str:
+        return f"--gpu-architecture={'compute' if self.ptx else 'sm'}_{self.arch}"
+
+
+class Compiled(NamedTuple):
+    binary: bytes
+    names: dict[str, str]  # name expression -> lowered (mangled) name
+    ptx: bool
+
+
+def cache_folder() -> pathlib.Path:
+    """Where compiled modules are kept: ``$CUPY_MERGE_CACHE_DIR``, else ``cupy_merge/`` in CuPy's
+    kernel cache folder (``$CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``)."""
+    folder = os.environ.get("CUPY_MERGE_CACHE_DIR")
+    if folder:
+        return pathlib.Path(folder)
+    cupy_folder = os.environ.get("CUPY_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cupy", "kernel_cache"
+    )
+    return pathlib.Path(cupy_folder) / "cupy_merge"
+
+
+def _cache_file(module: cat.Module, target: Target) -> pathlib.Path:
+    key = [kernel_source(module.source), list(module.options), cat.module_instances(module), target.option]
+    return cache_folder() / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]}.json"
+
+
+def cached(module: cat.Module, target: Target) -> Compiled | None:
+    """The module compiled for ``target`` earlier, by this process or another; None if never."""
+    names_file = _cache_file(module, target)
+    try:
+        entry = json.loads(names_file.read_text())
+        binary = names_file.with_suffix(".bin").read_bytes()
+    except (OSError, ValueError):
+        return None
+    if hashlib.sha256(binary).hexdigest() != entry.get("sha256"):
+        return None  # a binary written by a process that died half way
+    return Compiled(binary, entry["names"], target.ptx)
+
+
+def compile_module(module: cat.Module, target: Target, *, cache: bool = True) -> Compiled:
+    """``module`` compiled by NVRTC for ``target``: the one compile path, run-time and ahead of time.
+
+    With ``cache``, a binary kept on disk is used and a new one is kept. Raises
+    :class:`KernelCompileError` with NVRTC's log, or ``RuntimeError`` naming the
+    extra to install when NVRTC is missing.
     """
-    key = (module, device)
-    compiled = _modules.get(key)
-    if compiled is None:
-        nvrtc_version()
-        started = time.perf_counter()
-        compiled = cupy.RawModule(
-            code=kernel_source(module.source),
-            options=cat.COMPILE_OPTIONS,
-            name_expressions=cat.module_instances(module),
-            backend="nvrtc",
-        )
-        compiled.get_function(cat.module_instances(module)[0])  # compiles (or loads) now, not at first launch
-        _log.info(
-            "compiled %s for %s -> %s on device %d in %.2f s",
-            module.source, module.in_dtype, module.out_dtype, device, time.perf_counter() - started,
-        )  # fmt: skip
-        _modules[key] = compiled
+    if cache:
+        found = cached(module, target)
+        if found is not None:
+            _log.debug("loaded %s (%s -> %s) for %s from the cache", module.source, module.in_dtype,
+                       module.out_dtype, target.option)  # fmt: skip
+            return found
+    from cupy.cuda import nvrtc
+
+    version = nvrtc_version()
+    kernels = cat.module_instances(module)
+    started = time.perf_counter()
+    program = nvrtc.createProgram(kernel_source(module.source), module.source, [], [])
+    try:
+        for kernel in kernels:
+            nvrtc.addNameExpression(program, kernel)
+        try:
+            nvrtc.compileProgram(program, [*module.options, target.option])
+        except nvrtc.NVRTCError as error:
+            raise KernelCompileError(module.source, nvrtc.getProgramLog(program)) from error
+        binary = nvrtc.getPTX(program).encode() if target.ptx else nvrtc.getCUBIN(program)
+        if not binary:
+            raise KernelCompileError(module.source, "NVRTC produced an empty binary")
+        names = {kernel: nvrtc.getLoweredName(program, kernel) for kernel in kernels}
+    finally:
+        nvrtc.destroyProgram(program)
+    _log.info("compiled %s%s for %s -> %s for %s in %.2f s (NVRTC %d.%d)", module.source,
+              " with sinks" if module.sinks else "", module.in_dtype, module.out_dtype, target.option,
+              time.perf_counter() - started, *version)  # fmt: skip
+    compiled = Compiled(binary, names, target.ptx)
+    if cache:
+        _store(_cache_file(module, target), compiled, version)
     return compiled
+
+
+def _store(names_file: pathlib.Path, compiled: Compiled, version: tuple[int, int]) -> None:
+    """The binary, then its names and digest (atomically): a reader sees a whole entry or none.
+    A cache that cannot be written is skipped with a warning."""
+    entry = {"names": compiled.names, "sha256": hashlib.sha256(compiled.binary).hexdigest(), "nvrtc": version}
+    try:
+        names_file.parent.mkdir(parents=True, exist_ok=True)
+        for path, data in ((names_file.with_suffix(".bin"), compiled.binary),
+                           (names_file, json.dumps(entry).encode())):  # fmt: skip
+            partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            partial.write_bytes(data)
+            partial.replace(path)
+    except OSError as error:
+        _log.warning("could not write the kernel cache %s: %s", names_file.parent, error)
+
+
+def _compile_into_cache(module: cat.Module, target: Target) -> int:
+    """A worker process's job: compile one module into the disk cache; how many kernels it holds."""
+    return len(compile_module(module, target).names)
+
+
+def compile_ahead(target: Target, modules: list[cat.Module], *, progress: bool | None = None) -> int:
+    """Compile every module of ``modules`` for ``target`` into the disk cache, in parallel where
+    cores allow (NVRTC holds the interpreter's lock, so worker processes); returns how many
+    kernel instantiations they hold. ``progress``: "N of M modules" on standard error (default:
+    when it is a terminal)."""
+    progress = sys.stderr.isatty() if progress is None else progress
+    pending = [module for module in modules if cached(module, target) is None]
+    done = len(modules) - len(pending)
+
+    def report() -> None:
+        if progress:
+            print(f"\rcompiling kernel modules for {target.option.split('=')[1]}: {done} of {len(modules)}",
+                  end="" if done < len(modules) else "\n", file=sys.stderr, flush=True)  # fmt: skip
+
+    report()
+    workers = min(len(pending), os.cpu_count() or 1)
+    if workers > 1:
+        nvrtc_version()  # a missing NVRTC is said once, here, not by every worker
+        context = multiprocessing.get_context("spawn")  # a forked CUDA context would be unusable
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+            for future in concurrent.futures.as_completed(
+                [pool.submit(_compile_into_cache, module, target) for module in pending]
+            ):
+                future.result()
+                done += 1
+                report()
+    else:
+        for module in pending:
+            compile_module(module, target)
+            done += 1
+            report()
+    return sum(len(cat.module_instances(module)) for module in modules)
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+
+@functools.cache
+def device_target(device: int) -> Target:
+    """What to compile for ``device``: its own cubin, or PTX for the newest architecture NVRTC
+    knows when the GPU is newer than this NVRTC."""
+    props = cupy.cuda.runtime.getDeviceProperties(device)
+    major, minor = props["major"], props["minor"]
+    arch = 10 * major + minor
+    try:
+        known = supported_architectures()
+    except RuntimeError:  # no NVRTC: only cached binaries can be loaded, and those are cubins
+        return Target(str(arch))
+    if arch in known:
+        return Target(str(arch))
+    older = [a for a in known if a <= arch]
+    return Target(str(max(older) if older else min(known)), ptx=True)
 
 
 class Function(NamedTuple):
@@ -122,44 +305,111 @@ class Function(NamedTuple):
     keep_alive: object
 
 
-_functions: dict[tuple[str, int], Function] = {}
+_loaded: dict[tuple[cat.Module, int], tuple[object, dict[str, str]]] = {}
+_functions: dict[tuple[str, cat.Module, int], Function] = {}
 _functions_lock = threading.Lock()
 
 
+def _load(module: cat.Module, device: int) -> tuple[object, dict[str, str]]:
+    """``module`` loaded on ``device`` (current): from the disk cache, else compiled now."""
+    target = device_target(device)
+    compiled = compile_module(module, target)
+    try:
+        return _load_binary(compiled), compiled.names
+    except cupy.cuda.driver.CUDADriverError as error:  # e.g. a cubin of a newer toolkit than this driver
+        _log.info("could not load the cached %s (%s); compiling it again", module.source, error)
+        compiled = compile_module(module, target, cache=False)
+        _store(_cache_file(module, target), compiled, nvrtc_version())
+        return _load_binary(compiled), compiled.names
+
+
+def _load_binary(compiled: Compiled) -> object:
+    loaded = cupy.cuda.function.Module()
+    loaded.load(compiled.binary)
+    return loaded
+
+
 def get_function(module: cat.Module, kernel: str, device: int) -> Function:
-    """The compiled kernel for ``device``; compiles its module on first use there."""
-    key = (kernel, device)
+    """The compiled kernel for ``device``; loads (or compiles) its module on first use there.
+
+    A first use inside a CUDA-graph capture loads the module in the capture's relaxed mode
+    (loading a module is not a capturable operation in the stricter modes)."""
+    key = (kernel, module, device)
     function = _functions.get(key)
     if function is None:
-        with _functions_lock, cupy.cuda.Device(device):
+        with _functions_lock, cupy.cuda.Device(device), _relaxed_capture():
             function = _functions.get(key)
             if function is None:
-                try:
-                    # RawKernel.kernel is the cupy.cuda.Function loaded on the current device.
-                    loaded = _module(module, device).get_function(kernel).kernel
-                except cupy.cuda.compiler.CompileException as error:
-                    raise KernelCompileError(module.source, str(error)) from error
-                function = Function(loaded.ptr, cupy.cuda.driver.ctxGetCurrent(), loaded)
+                loaded = _loaded.get((module, device))
+                if loaded is None:
+                    loaded = _loaded.setdefault((module, device), _load(module, device))
+                binary, names = loaded
+                found = binary.get_function(names[kernel])  # type: ignore[attr-defined]
+                function = Function(found.ptr, cupy.cuda.driver.ctxGetCurrent(), found)
                 _functions[key] = function
     return function
 
 
-def compile_modules(device: int, modules: list[cat.Module] | None = None) -> int:
-    """Compile ``modules`` (default: all) for ``device`` now; returns how many kernels they hold."""
-    count = 0
-    for module in modules if modules is not None else cat.all_modules():
+def compile_modules(device: int, modules: list[cat.Module]) -> int:
+    """Compile (in parallel) and load ``modules`` for ``device`` now; returns how many kernels they hold."""
+    count = compile_ahead(device_target(device), modules)
+    for module in modules:
         for kernel in cat.module_instances(module):
             get_function(module, kernel, device)
-            count += 1
     return count
 
+
+@contextlib.contextmanager
+def _relaxed_capture() -> Iterator[None]:
+    """This thread in relaxed stream-capture mode for the block (cuThreadExchangeStreamCaptureMode)."""
+    exchange = _driver_function("cuThreadExchangeStreamCaptureMode")
+    if exchange is None:
+        yield
+        return
+    mode = ctypes.c_int(2)  # CU_STREAM_CAPTURE_MODE_RELAXED
+    exchange(ctypes.byref(mode))
+    try:
+        yield
+    finally:
+        exchange(ctypes.byref(mode))
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def _driver_function(name: str):
+    driver = _driver()
+    return None if driver is None else getattr(driver, name, None)
+
+
+# -- launching ----------------------------------------------------------------------------------
 
 # Byte offsets of the int64 kernel arguments in their buffer (no kernel has more than 64).
 _ARGUMENT_OFFSETS = 8 * numpy.arange(64, dtype=numpy.uint64)
 
 
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p), ("attributes", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attributes", ctypes.c_uint),
+    ]  # fmt: skip
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
 class PreparedLaunch(NamedTuple):
-    """A plan bound to a device: function, grid, block and the packed argument block."""
+    """A launch bound to a device and to addresses: function, grid, block and the packed arguments."""
 
     function: int
     context: int
@@ -167,24 +417,58 @@ class PreparedLaunch(NamedTuple):
     block: tuple[int, int, int]
     shared_bytes: int
     device: int
-    params: int  # address of the void*[] cuLaunchKernel reads
+    params: int  # address of the void*[] the driver reads
     values: numpy.ndarray  # the int64 arguments params points into
+    config: _LaunchConfig | None  # cuLaunchKernelEx's, for a programmatic launch; else None
     keep_alive: tuple
 
 
-def prepare(plan: LaunchPlan, device: int) -> PreparedLaunch:
-    """Look up (compile) ``plan``'s kernel on ``device`` and pack its arguments once."""
-    function = get_function(plan.module, plan.kernel, device)
-    values = numpy.array(plan.args, dtype=numpy.int64)
+def prepare(launch: KernelLaunch, device: int, addresses: dict[str, int], programmatic: bool = False) -> PreparedLaunch:
+    """Look up (compile) ``launch``'s kernel on ``device`` and pack its arguments with ``addresses``
+    (operand field -> device address; an output still to be allocated may be missing: patched later)."""
+    function = get_function(launch.module, launch.kernel, device)
+    values = numpy.array(launch.args, dtype=numpy.int64)
+    for slot, field, offset in launch.pointers:
+        address = addresses.get(field, 0)
+        values[slot] = address + offset if address else 0
     params, pointers = _parameter_table(values)
+    config = None
+    if programmatic and _launch_kernel_ex() is not None and _supports_programmatic(device):
+        config = _launch_config(launch)
     return PreparedLaunch(
-        function.pointer, function.context, plan.grid, plan.block, plan.shared_bytes, device, params, values,
-        (pointers, function),
+        function.pointer, function.context, launch.grid, launch.block, launch.shared_bytes, device, params,
+        values, config, (pointers, function),
     )  # fmt: skip
 
 
+@functools.cache
+def _supports_programmatic(device: int) -> bool:
+    return cupy.cuda.runtime.getDeviceProperties(device)["major"] >= 9
+
+
+@functools.cache
+def _launch_kernel_ex():
+    """cuLaunchKernelEx (CUDA 12+ drivers), or None."""
+    function = _driver_function("cuLaunchKernelEx")
+    if function is not None:
+        function.argtypes = [ctypes.c_void_p] * 4
+        function.restype = ctypes.c_int
+    return function
+
+
+def _launch_config(launch: KernelLaunch) -> _LaunchConfig:
+    attribute = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attribute.value[0] = 1  # programmaticStreamSerializationAllowed
+    config = _LaunchConfig(
+        (ctypes.c_uint * 3)(*launch.grid), (ctypes.c_uint * 3)(*launch.block), launch.shared_bytes,
+        None, ctypes.pointer(attribute), 1,
+    )  # fmt: skip
+    config._attribute = attribute  # kept alive with the config
+    return config
+
+
 def _parameter_table(values: numpy.ndarray) -> tuple[int, numpy.ndarray]:
-    """The void*[] cuLaunchKernel reads (entry i points at argument i) and its address."""
+    """The void*[] the driver reads (entry i points at argument i) and its address."""
     pointers = values.__array_interface__["data"][0] + _ARGUMENT_OFFSETS[: len(values)]
     return pointers.__array_interface__["data"][0], pointers
 
@@ -198,21 +482,42 @@ def with_pointers(prepared: PreparedLaunch, patches: list[tuple[int, int]]) -> P
     return prepared._replace(params=params, values=values, keep_alive=(pointers, prepared.keep_alive[1]))
 
 
+def stream_context(stream: int) -> int:
+    """The CUDA context a stream belongs to."""
+    return int(cupy.cuda.driver.streamGetCtx(stream))
+
+
+def capturing(stream: int) -> bool:
+    """Whether ``stream`` is being captured into a CUDA graph."""
+    return cupy.cuda.runtime.streamIsCapturing(stream) != 0
+
+
+def stream_on_device(stream: int, device: int) -> bool:
+    """Whether ``stream`` belongs to ``device``'s primary context (the one every merge launches in)."""
+    with cupy.cuda.Device(device):
+        cupy.cuda.runtime.free(0)  # makes the primary context current on a thread that has none
+        return stream_context(stream) == int(cupy.cuda.driver.ctxGetCurrent())
+
+
 _driver_launch = cupy.cuda.driver.launchKernel
 _current_context = cupy.cuda.driver.ctxGetCurrent
+_config_lock = threading.Lock()
 
 
 def launch(prepared: PreparedLaunch, stream: int) -> None:
-    """Launch on ``stream``. cuLaunchKernel copies the arguments before it returns.
+    """Launch on ``stream``. The driver copies the arguments before it returns.
 
     The kernel's context must be current on this thread: a thread that never
     used CUDA (a worker of a thread pool) has none, and one may have another
     device's. Checking costs one driver call; making it current happens once per
     thread and device switch.
     """
-    if _current_context() == prepared.context:
+    if prepared.config is None and _current_context() == prepared.context:
         _driver_launch(prepared.function, *prepared.grid, *prepared.block, prepared.shared_bytes, stream,
                        prepared.params, 0)  # fmt: skip
+        return
+    if _current_context() == prepared.context:
+        _launch_now(prepared, stream)
         return
     # cudaSetDevice makes the device's primary context current even when the runtime
     # already reports that device (a fresh thread reports device 0 and has no context),
@@ -221,11 +526,23 @@ def launch(prepared: PreparedLaunch, stream: int) -> None:
     previous = runtime.getDevice()
     runtime.setDevice(prepared.device)
     try:
-        _driver_launch(prepared.function, *prepared.grid, *prepared.block, prepared.shared_bytes, stream,
-                       prepared.params, 0)  # fmt: skip
+        _launch_now(prepared, stream)
     finally:
         if previous != prepared.device:
             runtime.setDevice(previous)
+
+
+def _launch_now(prepared: PreparedLaunch, stream: int) -> None:
+    config = prepared.config
+    if config is None:
+        _driver_launch(prepared.function, *prepared.grid, *prepared.block, prepared.shared_bytes, stream,
+                       prepared.params, 0)  # fmt: skip
+        return
+    with _config_lock:  # the config's stream is set for this launch
+        config.stream = stream
+        status = _launch_kernel_ex()(ctypes.addressof(config), prepared.function, prepared.params, None)
+    if status:
+        raise cupy.cuda.driver.CUDADriverError(status)
 
 
 _patch_lock = threading.Lock()
@@ -241,83 +558,3 @@ def launch_patched(prepared: PreparedLaunch, stream: int, patches: list[tuple[in
         for slot, pointer in patches:
             values[slot] = pointer
         launch(prepared, stream)
-
-
-def cache_folder() -> pathlib.Path:
-    """Where NVRTC output compiled without a GPU is kept: ``$CUPY_MERGE_CACHE_DIR``, else
-    ``cupy_merge/`` in CuPy's kernel cache folder (``$CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``)."""
-    folder = os.environ.get("CUPY_MERGE_CACHE_DIR")
-    if folder:
-        return pathlib.Path(folder)
-    cupy_folder = os.environ.get("CUPY_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cupy", "kernel_cache"
-    )
-    return pathlib.Path(cupy_folder) / "cupy_merge"
-
-
-def compile_offline(
-    arch: str, modules: list[cat.Module] | None = None, *, cache: bool = True
-) -> dict[str, str]:
-    """Compile ``modules`` (default: all) for ``sm_<arch>`` with NVRTC alone; no GPU is needed.
-
-    Uses the same source, grouping and options as the run-time path. Returns each
-    name expression's mangled name; raises :class:`KernelCompileError` with NVRTC's log.
-    With ``cache``, a module's binary and names are kept in :func:`cache_folder`,
-    keyed by source, options, architecture and NVRTC version, so a second run loads them.
-    """
-    from cupy.cuda import nvrtc
-
-    version = nvrtc_version()
-    lowered = {}
-    for module in modules if modules is not None else cat.all_modules():
-        kernels = cat.module_instances(module)
-        source = kernel_source(module.source)
-        options = [*cat.COMPILE_OPTIONS, f"--gpu-architecture=sm_{arch}"]
-        digest = hashlib.sha256(json.dumps([source, options, kernels, version]).encode()).hexdigest()[:32]
-        names_file = cache_folder() / f"{digest}.json"
-        if cache and names_file.is_file():
-            lowered.update(json.loads(names_file.read_text()))
-            _log.debug(
-                "loaded %s (%s -> %s) for sm_%s from %s",
-                module.source,
-                module.in_dtype,
-                module.out_dtype,
-                arch,
-                names_file,
-            )
-            continue
-        started = time.perf_counter()
-        program = nvrtc.createProgram(source, module.source, [], [])
-        try:
-            for kernel in kernels:
-                nvrtc.addNameExpression(program, kernel)
-            try:
-                nvrtc.compileProgram(program, options)
-            except nvrtc.NVRTCError as error:
-                raise KernelCompileError(module.source, nvrtc.getProgramLog(program)) from error
-            binary = nvrtc.getCUBIN(program)
-            if not binary:
-                raise KernelCompileError(module.source, "NVRTC produced an empty binary")
-            names = {kernel: nvrtc.getLoweredName(program, kernel) for kernel in kernels}
-        finally:
-            nvrtc.destroyProgram(program)
-        _log.info(
-            "compiled %s for %s -> %s for sm_%s in %.2f s",
-            module.source, module.in_dtype, module.out_dtype, arch, time.perf_counter() - started,
-        )  # fmt: skip
-        lowered.update(names)
-        if cache:
-            _store(names_file, binary, names)
-    return lowered
-
-
-def _store(names_file: pathlib.Path, binary: bytes, names: dict[str, str]) -> None:
-    """Write the binary and its names beside each other; a cache that cannot be written is skipped."""
-    try:
-        names_file.parent.mkdir(parents=True, exist_ok=True)
-        names_file.with_suffix(".cubin").write_bytes(binary)
-        partial = names_file.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(names))
-        partial.replace(names_file)  # atomic: a reader sees the whole file or none
-    except OSError as error:
-        _log.warning("could not write the NVRTC cache %s: %s", names_file.parent, error)

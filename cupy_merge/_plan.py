@@ -1,8 +1,14 @@
-"""Launch choices: which kernel, vector width, block, grid and arguments. Pure and GPU-free.
+"""Launch choices: which kernel, vector width, block, grid and arguments. Pure, GPU-free, address-free.
 
-Every function here takes arrays that already passed ``_checks``. Two kernel
-families serve each merge (``_catalogue``): *packed* kernels for the common
-layouts (each value array's heads back to back in rows that start on a
+Every function here takes the :class:`ArraySpec` of arrays that already passed
+``_checks``, and a :class:`~cupy_merge._tuning.Tuning`. A plan is a tuple of
+:class:`KernelLaunch` (usually one) whose pointer parameters are *slots* naming
+an operand (and a byte offset into it): addresses are bound when the launch is
+prepared (``_kernels.bind``), so the same plan serves every call with arrays of
+the same specialisation, a ``torch.compile`` fake tensor or a JAX trace.
+
+Two kernel families serve each merge (``_catalogue``): *packed* kernels for the
+common layouts (each value array's heads back to back in rows that start on a
 16-byte pack, every offset within 32 bits), one thread a pack, few registers;
 and *strided* kernels for everything else (any strides, narrow packs, 64-bit
 offsets).
@@ -10,89 +16,55 @@ offsets).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from . import _catalogue as cat
-from ._arrays import ArrayView
+from ._arrays import ArraySpec
 from ._checks import StateShape
+from ._operands import (
+    BackwardOperands,
+    BackwardOptions,
+    ManyStateOperands,
+    ManyStateOptions,
+    TwoStateOperands,
+    TwoStateOptions,
+)
+from ._tuning import Tuning
 
 #: Offsets are 32-bit when every array's elements lie within this many of its start.
 INDEX_32_LIMIT = cat.INDEX_32_LIMIT
 #: Work items beyond this many blocks are looped over inside the strided kernels.
 MAX_GRID_X = 2**31 - 1
-#: Set False to plan every merge on the strided kernels (the tests run both families).
-PACKED_KERNELS = True
-
-# Strided kernels. Measured on the H200 (docs/PERF.md): 64-thread blocks beat 128-1024;
-# two rows a thread 8-12 points of copy speed above one, and one below 32 MB of traffic
-# 0.03-0.45 us faster (sweep 10).
-STRIDED_THREADS = 64
-STRIDED_SMALL_TRAFFIC = 32_000_000
-
-# Packed kernels (docs/PERF.md, session 4 sweeps 1 and 2): 128-thread blocks measured
-# 0-3 points of copy speed above 256 and 512; loads with the .cs hint below 64 MB of
-# traffic (up to 3 points faster there), plain loads from 64 MB (5-10 points faster).
-# The N-way kernel's loads always carry the hint: plain loads measured 0-9 points
-# slower at every size but one (docs/PERF.md, session 6, run 5).
-PACKED_TWO_THREADS = 128
-PACKED_MANY_THREADS = 128
-PACKED_STREAMING_BELOW = 64_000_000
-
-# N-way splits: when rows alone give fewer than BUSY_THREADS threads, a row's states are
-# split over up to MAX_SPLITS thread groups of one block (docs/PERF.md).
-BUSY_THREADS = 128 * 1024
-MAX_SPLITS = 16
-MAX_BLOCK_THREADS = 256
-#: The packed N-way kernel's fewest threads across rows in a block.
-MIN_ROW_THREADS = 32
 #: CUDA's limit on a block's threads.
 CUDA_BLOCK_LIMIT = 1024
 
 
-class LaunchPlan(NamedTuple):
-    """One kernel launch; ``out_slot``/``out_lse_slot`` are where its output pointers sit in ``args``."""
+class Pointer(NamedTuple):
+    """A pointer parameter's value: the address of operand ``field`` plus ``offset`` bytes."""
+
+    field: str
+    offset: int = 0
+
+
+class KernelLaunch(NamedTuple):
+    """One kernel launch without addresses: ``args`` in parameter order with 0 for every pointer,
+    ``pointers`` the slots to fill, as (parameter index, operand field, byte offset)."""
 
     module: cat.Module
     kernel: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
-    args: tuple[int, ...]
     shared_bytes: int
-    out_slot: int
-    out_lse_slot: int
+    args: tuple[int, ...]
+    pointers: tuple[tuple[int, str, int], ...]
+
+    def slots(self, field: str) -> list[int]:
+        """The parameters that take operand ``field``'s address."""
+        return [slot for slot, name, _ in self.pointers if name == field]
 
 
-class TwoStateOptions(NamedTuple):
-    """Normalised options of a two-way merge (``_checks``): LSE base flag, first token copied
-    from b, output dtype, FP8 group size (None: no group scales) and UE8M0 flag."""
-
-    lse_base_2: int = 0
-    merge_tokens: int | None = None
-    out_dtype: str | None = None
-    group_size: int | None = None
-    scale_ue8m0: int = 0
-
-
-class ManyStateOptions(NamedTuple):
-    lse_base_2: int = 0
-    out_dtype: str | None = None
-    check_indptr: bool = False
-    group_size: int | None = None
-    scale_ue8m0: int = 0
-
-
-class OutputScales(NamedTuple):
-    """An FP8 output's scales: the per-tensor one (read) or the per-group ones (written); or neither."""
-
-    per_tensor: ArrayView | None = None
-    per_group: ArrayView | None = None
-
-
-NO_SCALES = OutputScales()
-
-
-#: Stands in for an optional array that was not given (a null pointer, strides 0).
-NO_ARRAY = ArrayView(0, (0, 0), (0, 0), "float32", 4, 0)
+#: A merge's launches, in order (none when there is nothing to write).
+Plan = tuple[KernelLaunch, ...]
 
 
 class FastDivisor(NamedTuple):
@@ -120,7 +92,7 @@ def fast_divide(n: int, divisor: FastDivisor) -> int:
 # -- shared choices -----------------------------------------------------------------------------
 
 
-def index_type(views: list[ArrayView | None], rows: int, num_states: int = 0) -> str:
+def index_type(specs: list[ArraySpec | None], rows: int, num_states: int = 0) -> str:
     """The strided kernels' integer type for element offsets: 32-bit when every offset fits.
 
     32-bit offsets take fewer registers and instructions (the N-way kernel gained
@@ -129,54 +101,55 @@ def index_type(views: list[ArrayView | None], rows: int, num_states: int = 0) ->
     """
     if rows >= INDEX_32_LIMIT or num_states >= INDEX_32_LIMIT:
         return "long long"
-    for view in views:
+    for spec in specs:
         if (
-            view is not None
-            and view.shape
-            and min(view.shape) > 0
-            and sum((n - 1) * abs(stride) for n, stride in zip(view.shape, view.strides)) >= INDEX_32_LIMIT
+            spec is not None
+            and spec.shape
+            and min(spec.shape) > 0
+            and sum((n - 1) * abs(stride) for n, stride in zip(spec.shape, spec.strides)) >= INDEX_32_LIMIT
         ):
             return "long long"
     return "int"
 
 
-def choose_vector_width(values: list[ArrayView], head_size: int, widths: tuple[int, ...]) -> int:
+def choose_vector_width(values: list[ArraySpec], head_size: int, widths: tuple[int, ...]) -> int:
     """The widest pack (elements) that divides the row and keeps every access aligned."""
     for vec in widths:
-        if head_size % vec == 0 and all(_pack_aligned(view, vec) for view in values):
+        if head_size % vec == 0 and all(_pack_aligned(spec, vec) for spec in values):
             return vec
     return 1
 
 
-def _pack_aligned(view: ArrayView, vec: int) -> bool:
-    pack_bytes = min(vec * view.itemsize, 16)
-    if view.ptr % pack_bytes:
+def _pack_aligned(spec: ArraySpec, vec: int) -> bool:
+    if spec.align < min(vec * spec.itemsize, 16):
         return False
     # Strides of dims of extent 1 are never used, so they need not be aligned.
-    return all(stride % vec == 0 for extent, stride in zip(view.shape[:-1], view.strides[:-1]) if extent > 1)
+    return all(stride % vec == 0 for extent, stride in zip(spec.shape[:-1], spec.strides[:-1]) if extent > 1)
 
 
-def heads_packed(view: ArrayView, head_size: int) -> bool:
+def heads_packed(spec: ArraySpec, head_size: int) -> bool:
     """Whether a value array ``[..., heads, head_size]`` holds each token's heads back to back."""
-    return view.shape[-2] <= 1 or view.strides[-2] == head_size
+    return spec.shape[-2] <= 1 or spec.strides[-2] == head_size
 
 
-def _packed_kernel_fits(vec: int, widths: tuple[int, ...], index: str, head_size: int, values: list) -> bool:
+def _packed_kernel_fits(
+    vec: int, widths: tuple[int, ...], index: str, head_size: int, values: list, tuning: Tuning
+) -> bool:
     """Whether a packed kernel takes these value arrays: full 16-byte packs, 32-bit offsets,
     heads back to back in every one of them (and a row to merge at all)."""
     return (
-        PACKED_KERNELS
+        tuning.packed_kernels
         and head_size > 0
         and vec == widths[0]
         and index == "int"
-        and all(heads_packed(view, head_size) for view in values)
+        and all(heads_packed(spec, head_size) for spec in values)
     )
 
 
-def choose_block(packs_per_row: int, num_tokens: int) -> tuple[int, int]:
+def choose_block(packs_per_row: int, num_tokens: int, tuning: Tuning) -> tuple[int, int]:
     """Strided kernels: threads across a row (one pack each) and rows (tokens) per block."""
-    threads_x = max(1, min(packs_per_row, STRIDED_THREADS))
-    rows_per_block = max(1, min(STRIDED_THREADS // threads_x, num_tokens))
+    threads_x = max(1, min(packs_per_row, tuning.strided_threads))
+    rows_per_block = max(1, min(tuning.strided_threads // threads_x, num_tokens))
     return threads_x, rows_per_block
 
 
@@ -197,18 +170,16 @@ def _packed_geometry(state: StateShape, vec: int) -> dict[str, int]:
     }
 
 
-def _group_geometry(scales: OutputScales, group_size: int | None, vec: int) -> dict[str, int]:
+def _group_geometry(block_scale: ArraySpec | None, group_size: int | None, vec: int) -> dict[str, Any]:
     """The packed kernels' group-scale arguments: a group is ``group_size // vec`` consecutive packs."""
-    per_tensor = scales.per_tensor.ptr if scales.per_tensor is not None else 0
-    if scales.per_group is None or group_size is None:
-        return {"out_scale": per_tensor, "out_group_scale": 0, "group_stride_token": 0, "group_stride_group": 0,
+    if block_scale is None or group_size is None:
+        return {"output_block_scale": 0, "block_scale_stride_token": 0, "block_scale_stride_group": 0,
                 "packs_per_group": 1, "group_multiplier": 0, "group_shift": 0}  # fmt: skip
     group = fast_divisor(group_size // vec)
     return {
-        "out_scale": 0,
-        "out_group_scale": scales.per_group.ptr,
-        "group_stride_token": _used(scales.per_group, 0),
-        "group_stride_group": _used(scales.per_group, 1),
+        "output_block_scale": Pointer("output_block_scale"),
+        "block_scale_stride_token": _used(block_scale, 0),
+        "block_scale_stride_group": _used(block_scale, 1),
         "packs_per_group": group.divisor,
         "group_multiplier": group.multiplier,
         "group_shift": group.shift,
@@ -224,83 +195,94 @@ def _in_packs(stride: int, extent: int, vec: int) -> int:
     return stride // vec if extent > 1 else 0
 
 
-def _used(view: ArrayView, dim: int) -> int:
-    """The stride of ``dim``, or 0 where it is never used (extent 1): the packed kernels
-    take strides as 32-bit ints, and an unused one may be any size."""
-    return view.strides[dim] if view.shape[dim] > 1 else 0
+def _used(spec: ArraySpec | None, dim: int) -> int:
+    """The stride of ``dim``, or 0 where it is never used (extent 1, or no array): the packed
+    kernels take strides as 32-bit ints, and an unused one may be any size."""
+    return spec.strides[dim] if spec is not None and spec.shape[dim] > 1 else 0
 
 
-def _lse_strides(name: str, view: ArrayView) -> dict[str, int]:
-    return {f"{name}_stride_head": _used(view, 0), f"{name}_stride_token": _used(view, 1)}
+def _lse_strides(name: str, spec: ArraySpec | None) -> dict[str, int]:
+    return {f"{name}_stride_head": _used(spec, 0), f"{name}_stride_token": _used(spec, 1)}
 
 
-def _plan(
-    family: cat.KernelFamily, module: cat.Module, template: dict, grid, block, shared, args
-) -> LaunchPlan:
-    return LaunchPlan(
-        module,
-        family.instance(**template),
-        grid,
-        block,
-        family.arguments(**args),
-        shared,
-        family.position("out"),
-        family.position("out_lse"),
+def _sinks(specs: TwoStateOperands | ManyStateOperands) -> dict[str, Any]:
+    sinks = specs.sinks
+    return {"sinks": Pointer("sinks") if sinks is not None else 0, "sinks_stride": _used(sinks, 0)}
+
+
+def _pointer(specs: NamedTuple, field: str) -> Pointer | int:
+    """Operand ``field``'s address, or a null pointer when it is not given."""
+    return Pointer(field) if getattr(specs, field) is not None else 0
+
+
+def _launch(
+    family: cat.KernelFamily, module: cat.Module, template: dict, grid, block, shared: int, args: dict
+) -> KernelLaunch:
+    slots = tuple(
+        (slot, value.field, value.offset)
+        for slot, value in enumerate(args[name] for name in family.params)
+        if isinstance(value, Pointer)
+    )
+    values = {name: 0 if isinstance(value, Pointer) else value for name, value in args.items()}
+    return KernelLaunch(
+        module, family.instance(**template), grid, block, shared, family.arguments(**values), slots
     )
 
 
 # -- two states ---------------------------------------------------------------------------------
 
+#: Where a two-way merge's pointers come from: each operand's own address.
+TWO_STATE_POINTERS = TwoStateOperands(*(Pointer(field) for field in TwoStateOperands._fields))
+
 
 def plan_two_states(
     state: StateShape,
-    out: ArrayView,
-    out_lse: ArrayView | None,
-    v_a: ArrayView,
-    s_a: ArrayView,
-    v_b: ArrayView,
-    s_b: ArrayView,
-    mask: ArrayView | None,
+    specs: TwoStateOperands,
     options: TwoStateOptions,
-    scales: OutputScales = NO_SCALES,
-) -> LaunchPlan | None:
-    """The launch of a checked two-way merge; ``None`` when there is nothing to write.
+    tuning: Tuning,
+    lse_in_place: bool,
+    where: TwoStateOperands = TWO_STATE_POINTERS,
+) -> Plan:
+    """The launches of a checked two-way merge; none when there is nothing to write.
 
-    Group-scaled FP8 outputs always take the packed kernel (``_checks`` made sure
-    the layout allows it), at the widest pack that divides a group.
+    ``lse_in_place``: ``out_lse`` is ``s_a`` or ``s_b`` itself (an address fact the
+    caller found). ``where``: each operand's pointer (an N-way merge of two states
+    passes its states' slices). Group-scaled FP8 outputs always take the packed
+    kernel (``_checks`` made sure the layout allows it), at the widest pack that
+    divides a group.
     """
     num_tokens, num_heads, head_size = state.num_tokens, state.num_heads, state.head_size
     if num_tokens == 0 or num_heads == 0:
-        return None
-    group_size = options.group_size if scales.per_group is not None else None
+        return ()
+    out, out_lse, v_a, s_a, v_b, s_b, mask = specs[:7]
+    group_size = options.group_size if specs.output_block_scale is not None else None
     grouped = group_size is not None
-    module = cat.Module(cat.TWO_STATES_SOURCE, state.dtype, out.dtype)
+    module = cat.Module(cat.TWO_STATES_SOURCE, state.dtype, out.dtype, specs.sinks is not None, tuning.compile_options)
     widths = cat.vector_widths(state.dtype, out.dtype)
     vec = choose_vector_width([out, v_a, v_b], group_size or head_size, widths)
-    lse_out = out_lse if out_lse is not None else NO_ARRAY
-    mask_view = mask if mask is not None else NO_ARRAY
     merge_tokens = num_tokens if options.merge_tokens is None else min(options.merge_tokens, num_tokens)
-    lse_in_place = out_lse is not None and out_lse in (s_a, s_b)
     common = {
-        "out": out.ptr, "out_lse": lse_out.ptr, "v_a": v_a.ptr, "lse_a": s_a.ptr, "v_b": v_b.ptr,
-        "lse_b": s_b.ptr, "mask": mask_view.ptr, "merge_tokens": merge_tokens,
-        **_lse_strides("out_lse", lse_out), **_lse_strides("lse_a", s_a), **_lse_strides("lse_b", s_b),
-        "mask_stride": _used(mask_view, 0), "lse_base_2": options.lse_base_2,
+        "out": where.out, "out_lse": where.out_lse if out_lse is not None else 0,
+        "v_a": where.v_a, "lse_a": where.s_a, "v_b": where.v_b, "lse_b": where.s_b,
+        "mask": _pointer(specs, "mask"), "merge_tokens": merge_tokens,
+        **_lse_strides("out_lse", out_lse), **_lse_strides("lse_a", s_a), **_lse_strides("lse_b", s_b),
+        "mask_stride": _used(mask, 0), "lse_base_2": options.lse_base_2, **_sinks(specs),
     }  # fmt: skip
-    views = [out, out_lse, v_a, s_a, v_b, s_b, mask]
-    index = index_type(views, num_tokens * num_heads)
+    index = index_type([out, out_lse, v_a, s_a, v_b, s_b, mask], num_tokens * num_heads)
     traffic = num_tokens * num_heads * head_size * (2 * v_a.itemsize + out.itemsize)
     packs_per_row = head_size // vec
-    packed = _packed_kernel_fits(vec, widths, index, head_size, [out, v_a, v_b]) and (
+    packed = _packed_kernel_fits(vec, widths, index, head_size, [out, v_a, v_b], tuning) and (
         not lse_in_place or 32 % packs_per_row == 0
     )
     if packed or grouped:
         geometry = _packed_geometry(state, vec)
-        group = _group_geometry(scales, options.group_size, vec)
+        group = _group_geometry(specs.output_block_scale, group_size, vec)
         # Whole groups a block; with the LSE written in place, whole rows (the group barriers
         # then order a row's reads of the old LSE before its write, as __syncwarp does otherwise).
-        unit = packs_per_row if grouped and lse_in_place else group["packs_per_group"]
-        threads = _group_block(PACKED_TWO_THREADS, unit)
+        # A row too long for one block has its LSE written by a second launch instead.
+        lse_after = grouped and lse_in_place and packs_per_row > CUDA_BLOCK_LIMIT
+        unit = packs_per_row if grouped and lse_in_place and not lse_after else group["packs_per_group"]
+        threads = _group_block(tuning.packed_two_threads, unit)
         grid = (-(-geometry["total_packs"] // threads), 1, 1)
         strides = {
             "out_stride_token": _in_packs(out.strides[0], num_tokens, vec),
@@ -308,25 +290,48 @@ def plan_two_states(
             "b_stride_token": _in_packs(v_b.strides[0], num_tokens, vec),
         }
         template = {"TIn": state.dtype, "TOut": out.dtype, "VEC": vec, "GROUPED": grouped,
-                    "STREAMING": traffic < PACKED_STREAMING_BELOW, "LSE_IN_PLACE": lse_in_place}  # fmt: skip
+                    "STREAMING": traffic < tuning.packed_streaming_below,
+                    "LSE_IN_PLACE": lse_in_place and not grouped, "SINKS": specs.sinks is not None}  # fmt: skip
         shared = 4 * (threads // group["packs_per_group"]) if grouped else 0
-        args = {**common, **geometry, **strides, **group, "scale_ue8m0": options.scale_ue8m0}
-        return _plan(cat.TWO_PACKED, module, template, grid, (threads, 1, 1), shared, args)
+        args = {**common, **geometry, **strides, **group, "scale_ue8m0": options.scale_ue8m0,
+                "output_scale": _pointer(specs, "output_scale")}  # fmt: skip
+        if lse_after:
+            args["out_lse"] = 0
+        merge = _launch(cat.TWO_PACKED, module, template, grid, (threads, 1, 1), shared, args)
+        if not lse_after:
+            return (merge,)
+        return merge, _lse_only(state, specs, options, tuning, common, module)
 
-    threads_x, rows_y = choose_block(packs_per_row, num_tokens)
-    rows = 1 if traffic < STRIDED_SMALL_TRAFFIC or rows_y * 2 > num_tokens else 2
-    grid = (min(-(-num_tokens // (rows_y * rows)) * num_heads, MAX_GRID_X), 1, 1)
+    _, rows_y = choose_block(packs_per_row, num_tokens, tuning)
+    rows = 1 if traffic < tuning.strided_small_traffic or rows_y * 2 > num_tokens else 2
+    return (_strided_two(state, specs, tuning, common, module, vec, index, rows, lse_in_place),)
+
+
+def _strided_two(state, specs, tuning, common, module, vec, index, rows, lse_in_place, head_size=None):
+    head_size = state.head_size if head_size is None else head_size
+    out = specs.out
+    threads_x, rows_y = choose_block(head_size // vec, state.num_tokens, tuning)
+    grid = (min(-(-state.num_tokens // (rows_y * rows)) * state.num_heads, MAX_GRID_X), 1, 1)
     args = {
         **common,
-        "out_scale": scales.per_tensor.ptr if scales.per_tensor is not None else 0,
-        "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size,
+        "output_scale": _pointer(specs, "output_scale"),
+        "num_tokens": state.num_tokens, "num_heads": state.num_heads, "head_size": head_size,
         "out_stride_token": out.strides[0], "out_stride_head": out.strides[1],
-        "a_stride_token": v_a.strides[0], "a_stride_head": v_a.strides[1],
-        "b_stride_token": v_b.strides[0], "b_stride_head": v_b.strides[1],
+        "a_stride_token": specs.v_a.strides[0], "a_stride_head": specs.v_a.strides[1],
+        "b_stride_token": specs.v_b.strides[0], "b_stride_head": specs.v_b.strides[1],
         "out_lse_is_input": int(lse_in_place),
     }  # fmt: skip
-    template = {"TIn": state.dtype, "TOut": out.dtype, "VEC": vec, "ROWS": rows, "Index": index}
-    return _plan(cat.TWO_STRIDED, module, template, grid, (threads_x, rows_y, 1), 0, args)
+    template = {"TIn": state.dtype, "TOut": out.dtype, "VEC": vec, "ROWS": rows, "Index": index,
+                "SINKS": specs.sinks is not None}  # fmt: skip
+    return _launch(cat.TWO_STRIDED, module, template, grid, (threads_x, rows_y, 1), 0, args)
+
+
+def _lse_only(state, specs, options, tuning, common, module) -> KernelLaunch:
+    """The merged LSE alone, written in place after the values' launch read the old one: the
+    strided kernel with no packs to merge (each thread reads and then writes its own rows)."""
+    index = index_type([specs.out_lse, specs.s_a, specs.s_b, specs.mask], state.num_tokens * state.num_heads)
+    common = {**common, "out": 0}
+    return _strided_two(state, specs, tuning, common, module, 1, index, 1, True, head_size=0)
 
 
 # -- many states --------------------------------------------------------------------------------
@@ -335,27 +340,32 @@ def plan_two_states(
 def plan_many_states(
     state: StateShape,
     num_states: int,
-    out: ArrayView,
-    out_lse: ArrayView | None,
-    v: ArrayView,
-    s: ArrayView,
-    indptr: ArrayView | None,
+    specs: ManyStateOperands,
     options: ManyStateOptions,
-    scales: OutputScales = NO_SCALES,
-) -> LaunchPlan | None:
-    """The launch of a checked N-way (``indptr`` None) or ragged merge (group-scaled FP8: as two-way)."""
+    tuning: Tuning,
+) -> Plan:
+    """The launches of a checked N-way (``indptr`` None) or ragged merge (group-scaled FP8: as two-way)."""
     num_tokens, num_heads, head_size = state.num_tokens, state.num_heads, state.head_size
     if num_tokens == 0 or num_heads == 0:
-        return None
+        return ()
+    out, out_lse, v, s, indptr = specs[:5]
     if indptr is None and num_states == 2:
         # Two states are the two-way kernel's job: it keeps twice the loads in flight per row.
-        v_a, v_b = _state_view(v, 0), _state_view(v, 1)
-        s_a, s_b = _state_view(s, 0), _state_view(s, 1)
-        two = TwoStateOptions(options.lse_base_2, None, None, options.group_size, options.scale_ue8m0)
-        return plan_two_states(state, out, out_lse, v_a, s_a, v_b, s_b, None, two, scales)
-    group_size = options.group_size if scales.per_group is not None else None
+        two = TwoStateOperands(
+            out, out_lse, _state_spec(v, 0), _state_spec(s, 0), _state_spec(v, 1), _state_spec(s, 1),
+            None, specs.sinks, specs.output_scale, specs.output_block_scale,
+        )  # fmt: skip
+        where = TWO_STATE_POINTERS._replace(
+            v_a=Pointer("v"), s_a=Pointer("s"),
+            v_b=Pointer("v", _state_offset(v, 1)), s_b=Pointer("s", _state_offset(s, 1)),
+        )  # fmt: skip
+        options_two = TwoStateOptions(
+            lse_base_2=options.lse_base_2, group_size=options.group_size, scale_ue8m0=options.scale_ue8m0
+        )
+        return plan_two_states(state, two, options_two, tuning, False, where)
+    group_size = options.group_size if specs.output_block_scale is not None else None
     grouped = group_size is not None
-    module = cat.Module(cat.MANY_STATES_SOURCE, state.dtype, out.dtype)
+    module = cat.Module(cat.MANY_STATES_SOURCE, state.dtype, out.dtype, specs.sinks is not None, tuning.compile_options)
     widths = cat.vector_widths(state.dtype, out.dtype)
     vec = choose_vector_width([out, v], group_size or head_size, widths)
     if indptr is None:
@@ -366,24 +376,24 @@ def plan_many_states(
         v_state, v_token, v_head = v.strides[0], 0, v.strides[1]
         s_state, s_head, s_token = _used(s, 1), _used(s, 0), 0
         extents = (num_states, 1)
-    lse_out = out_lse if out_lse is not None else NO_ARRAY
-    index_view = indptr if indptr is not None else NO_ARRAY._replace(dtype="int64", itemsize=8)
     common = {
-        "out": out.ptr, "out_lse": lse_out.ptr, "v": v.ptr, "lse": s.ptr,
-        "indptr": index_view.ptr, "indptr_bytes": index_view.itemsize, "indptr_stride": index_view.strides[0],
+        "out": Pointer("out"), "out_lse": _pointer(specs, "out_lse"), "v": Pointer("v"), "lse": Pointer("s"),
+        "indptr": _pointer(specs, "indptr"), "indptr_bytes": indptr.itemsize if indptr is not None else 8,
+        "indptr_stride": indptr.strides[0] if indptr is not None else 0,
         "num_states": num_states,
-        **_lse_strides("out_lse", lse_out),
+        **_lse_strides("out_lse", out_lse),
         "lse_stride_state": s_state, "lse_stride_head": s_head, "lse_stride_token": s_token,
-        "lse_base_2": options.lse_base_2,
+        "lse_base_2": options.lse_base_2, "output_scale": _pointer(specs, "output_scale"), **_sinks(specs),
     }  # fmt: skip
     index = index_type([out, out_lse, v, s, indptr], num_tokens * num_heads, num_states)
     packs_per_row = head_size // vec
-    if grouped or _packed_kernel_fits(vec, widths, index, head_size, [out, v]):
+    chunk = tuning.merge_chunk
+    if grouped or _packed_kernel_fits(vec, widths, index, head_size, [out, v], tuning):
         geometry = _packed_geometry(state, vec)
-        group = _group_geometry(scales, options.group_size, vec)
-        splits = choose_state_splits(num_states, geometry["total_packs"], cat.MERGE_CHUNK)
+        group = _group_geometry(specs.output_block_scale, group_size, vec)
+        splits = choose_state_splits(num_states, geometry["total_packs"], chunk, tuning)
         threads_x = _group_block(
-            max(MIN_ROW_THREADS, PACKED_MANY_THREADS // splits), group["packs_per_group"]
+            max(tuning.min_row_threads, tuning.packed_many_threads // splits), group["packs_per_group"]
         )
         splits = max(1, min(splits, CUDA_BLOCK_LIMIT // threads_x))
         grid = (-(-geometry["total_packs"] // threads_x), 1, 1)
@@ -399,29 +409,30 @@ def plan_many_states(
             "SPLIT": splits > 1,
             "RAGGED": indptr is not None,
             "GROUPED": grouped,
+            "SINKS": specs.sinks is not None,
         }
         shared = (splits - 1) * threads_x * _partial_bytes(vec)
         if grouped:
             shared += 4 * (threads_x // group["packs_per_group"])
         block_shape = {"block_packs": threads_x, "block_splits": splits}
         args = {**common, **geometry, **strides, **group, **block_shape, "scale_ue8m0": options.scale_ue8m0}
-        return _plan(cat.MANY_PACKED, module, template, grid, (threads_x, splits, 1), shared, args)
+        return (_launch(cat.MANY_PACKED, module, template, grid, (threads_x, splits, 1), shared, args),)
 
-    threads_x, rows_y = choose_block(packs_per_row, num_tokens)
-    splits = choose_state_splits(num_states, num_tokens * num_heads * threads_x, cat.MERGE_CHUNK)
-    splits = max(1, min(splits, MAX_BLOCK_THREADS // threads_x))
-    rows_y = max(1, min(rows_y, MAX_BLOCK_THREADS // (threads_x * splits)))
+    threads_x, rows_y = choose_block(packs_per_row, num_tokens, tuning)
+    splits = choose_state_splits(num_states, num_tokens * num_heads * threads_x, chunk, tuning)
+    splits = max(1, min(splits, tuning.max_block_threads // threads_x))
+    rows_y = max(1, min(rows_y, tuning.max_block_threads // (threads_x * splits)))
     grid = (min(-(-num_tokens // rows_y) * num_heads, MAX_GRID_X), 1, 1)
     args = {
         **common,
-        "out_scale": scales.per_tensor.ptr if scales.per_tensor is not None else 0,
         "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size,
         "out_stride_token": out.strides[0], "out_stride_head": out.strides[1],
         "v_stride_state": v_state, "v_stride_token": v_token, "v_stride_head": v_head,
     }  # fmt: skip
-    template = {"TIn": state.dtype, "TOut": out.dtype, "VEC": vec, "SPLIT": splits > 1, "Index": index}
+    template = {"TIn": state.dtype, "TOut": out.dtype, "VEC": vec, "SPLIT": splits > 1, "Index": index,
+                "SINKS": specs.sinks is not None}  # fmt: skip
     shared = (splits - 1) * threads_x * rows_y * _partial_bytes(vec)
-    return _plan(cat.MANY_STRIDED, module, template, grid, (threads_x, rows_y, splits), shared, args)
+    return (_launch(cat.MANY_STRIDED, module, template, grid, (threads_x, rows_y, splits), shared, args),)
 
 
 def _partial_bytes(vec: int) -> int:
@@ -429,20 +440,115 @@ def _partial_bytes(vec: int) -> int:
     return (vec + 3) * 4
 
 
-def choose_state_splits(num_states: int, row_threads: int, chunk: int) -> int:
+def choose_state_splits(num_states: int, row_threads: int, chunk: int, tuning: Tuning) -> int:
     """How many thread groups share one row's states.
 
-    One group suffices when rows alone give ``BUSY_THREADS`` threads; otherwise
-    the states of a row are split, up to one chunk per group and ``MAX_SPLITS``
+    One group suffices when rows alone give ``busy_threads`` threads; otherwise
+    the states of a row are split, up to one chunk per group and ``max_splits``
     groups (measured in docs/PERF.md).
     """
-    wanted = -(-BUSY_THREADS // max(row_threads, 1))
+    wanted = -(-tuning.busy_threads // max(row_threads, 1))
     useful = -(-num_states // chunk)
-    return max(1, min(wanted, useful, MAX_SPLITS))
+    return max(1, min(wanted, useful, tuning.max_splits))
 
 
-def _state_view(view: ArrayView, index: int) -> ArrayView:
-    """State ``index`` of a stacked array, as a view of one fewer dimension (no copy)."""
-    return view._replace(
-        ptr=view.ptr + index * view.strides[0] * view.itemsize, shape=view.shape[1:], strides=view.strides[1:]
+def _state_offset(spec: ArraySpec, index: int) -> int:
+    return index * spec.strides[0] * spec.itemsize
+
+
+def _state_spec(spec: ArraySpec, index: int) -> ArraySpec:
+    """State ``index`` of a stacked array, as a spec of one fewer dimension (no copy)."""
+    offset = _state_offset(spec, index)
+    align = spec.align if offset == 0 else min(spec.align, offset & -offset)
+    return spec._replace(shape=spec.shape[1:], strides=spec.strides[1:], align=align)
+
+
+# -- gradients ------------------------------------------------------------------------------------
+
+#: Threads of a block of the backward kernel (rows of `lanes` threads each).
+BACKWARD_THREADS = 128
+
+
+def plan_backward(
+    state: StateShape, num_states: int, specs: BackwardOperands, options: BackwardOptions, tuning: Tuning
+) -> Plan:
+    """The launch of a merge's gradient: a row of ``lanes`` threads (a power of two up to 32) per
+    (token, head), over its states; the gradients written are C-contiguous (allocated by the call)."""
+    num_tokens, num_heads, head_size = state.num_tokens, state.num_heads, state.head_size
+    if num_tokens == 0 or num_heads == 0:
+        return ()
+    v, grad_out = specs.v, specs.grad_out
+    two_way, ragged = specs.v_b is not None, specs.indptr is not None
+    module = cat.Module(cat.BACKWARD_SOURCE, state.dtype, grad_out.dtype, specs.sinks is not None,
+                        tuning.compile_options)  # fmt: skip
+    values = [v, grad_out, specs.grad_v] + ([specs.v_b, specs.grad_v_b] if two_way else [])
+    if not two_way:  # the dense stack's (or ragged batch's) second state is one stride on
+        values += [_state_spec(v, 1), _state_spec(specs.grad_v, 1)]
+    vec = choose_vector_width(
+        [spec for spec in values if spec is not None], head_size, cat.vector_widths(state.dtype, grad_out.dtype)
     )
+    packs = head_size // vec
+    lanes = min(32, 1 << max(packs - 1, 0).bit_length())
+    rows_y = BACKWARD_THREADS // lanes
+    grid = (max(1, min(-(-num_tokens * num_heads // rows_y), MAX_GRID_X)), 1, 1)
+    args: dict[str, Any] = {
+        "gv0": Pointer("grad_v"), "gs0": Pointer("grad_s"), "v0": Pointer("v"), "s0": Pointer("s"),
+        "grad_out": Pointer("grad_out"), "grad_lse": _pointer(specs, "grad_lse"),
+        "sinks": _pointer(specs, "sinks"), "grad_sinks": _pointer(specs, "grad_sinks"),
+        "indptr": _pointer(specs, "indptr"), "indptr_bytes": specs.indptr.itemsize if ragged else 8,
+        "indptr_stride": specs.indptr.strides[0] if ragged else 0,
+        "num_states": num_states, "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size,
+        "grad_out_stride_token": grad_out.strides[0], "grad_out_stride_head": grad_out.strides[1],
+        **_lse_strides("grad_lse", specs.grad_lse), "sinks_stride": _used(specs.sinks, 0),
+        "lanes": lanes, "lse_base_2": options.lse_base_2,
+    }  # fmt: skip
+    for array, first, rest in (("v", "v", "v_b"), ("gv", "grad_v", "grad_v_b"), ("s", "s", "s_b"),
+                               ("gs", "grad_s", "grad_s_b")):  # fmt: skip
+        lse = array in ("s", "gs")
+        head_first, head_rest, token_first, token_rest, step = _backward_strides(
+            getattr(specs, first), getattr(specs, rest), two_way, ragged, lse
+        )
+        second = Pointer(rest) if two_way else Pointer(first, step * getattr(specs, first).itemsize)
+        args.update({
+            f"{array}1": second, f"{array}_stride_state": step,
+            f"{array}0_stride_head": head_first, f"{array}1_stride_head": head_rest,
+            f"{array}0_stride_token": token_first, f"{array}1_stride_token": token_rest,
+        })  # fmt: skip
+    template = {"TIn": state.dtype, "TOut": grad_out.dtype, "VEC": vec, "ONE_PACK": packs <= lanes,
+                "RAGGED": ragged, "SINKS": specs.sinks is not None}  # fmt: skip
+    return (_launch(cat.BACKWARD, module, template, grid, (lanes, rows_y, 1), 0, args),)
+
+
+def _backward_strides(first: ArraySpec, rest: ArraySpec | None, two_way: bool, ragged: bool, lse: bool):
+    """(head, head, token, token, state) strides of a state array's first and later states: values
+    ``[..., tokens, heads, D]`` (two-way ``[T, H, D]`` each), LSEs ``[..., heads, tokens]``."""
+    if two_way:
+        assert rest is not None
+        head, token = (0, 1) if lse else (1, 0)
+        return first.strides[head], rest.strides[head], first.strides[token], rest.strides[token], 0
+    if ragged:  # values [rows, H, D], LSE [H, rows]: a row is a state, no token stride
+        head_stride, state_stride = (first.strides[0], first.strides[1]) if lse else (first.strides[1], first.strides[0])
+        return head_stride, head_stride, 0, 0, state_stride
+    head, token = (1, 2) if lse else (2, 1)  # dense: [S, H, T] or [S, T, H, D]
+    return first.strides[head], first.strides[head], first.strides[token], first.strides[token], first.strides[0]
+
+
+# -- the cross-rank merge's steps -------------------------------------------------------------------
+
+#: Threads of a block of the rank kernels, over as many rows as a row's packs leave room for.
+RANK_ROW_THREADS = 128
+
+
+def plan_rank_step(
+    family: cat.KernelFamily, dtype: str, rows: int, head_size: int, written: list[ArraySpec], args: dict
+) -> KernelLaunch:
+    """One of the cross-rank steps (pack, scale) over ``rows`` rows of values: 16-byte packs where
+    every row of the values and of the buffers written stays aligned (the merges' rule), else
+    elements. ``args`` name pointers as :class:`Pointer`."""
+    widths = (16 // cat.ITEMSIZES[dtype], 1)
+    vec = choose_vector_width(written, head_size, widths)
+    threads_x = max(1, min(head_size // vec, RANK_ROW_THREADS))
+    rows_y = max(1, RANK_ROW_THREADS // threads_x)
+    grid = (min(-(-rows // rows_y), MAX_GRID_X), 1, 1)
+    module = cat.Module(cat.RANKS_SOURCE, dtype, dtype)
+    return _launch(family, module, {"T": dtype, "VEC": vec}, grid, (threads_x, rows_y, 1), 0, args)

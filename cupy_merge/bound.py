@@ -6,19 +6,44 @@ prepared launch again (about half of the host time of a small merge). ``bind``
 does that, and every check, once; the object it returns relaunches the kernel
 with nothing else on the host but, for torch tensors, a look at each tensor's
 data pointer (a tensor's storage can be swapped or freed behind its back).
+
+Each bindable merge *declares* how it is bound (:func:`declare`): the library's
+merges through their dispatcher operation, the cross-rank merge its own way.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-from . import _arrays, _dispatch, _kernels
+from . import _arrays, _dispatch, _kernels, _tuning
 from ._arrays import Stream
-from .merge import merge_attn_states, merge_state, merge_state_in_place
-from .merge_many import merge_states, merge_states_varlen
+from .types import Bound
 
-_BINDABLE = (merge_attn_states, merge_state, merge_state_in_place, merge_states, merge_states_varlen)
+#: The attribute under which a merge keeps its binder: ``binder(*args, **kwargs) -> bound merge``.
+BINDER = "__cupy_merge_bind__"
+
+Merge = TypeVar("Merge", bound=Callable[..., Any])
+
+
+def declare(merge: Merge, operation: _dispatch.Operation) -> Merge:
+    """Make ``merge`` (a public function calling ``operation``) bindable by :func:`bind`."""
+    setattr(merge, BINDER, functools.partial(_bind_operation, operation, inspect.signature(merge)))
+    return merge
+
+
+def _bind_operation(operation: _dispatch.Operation, signature: inspect.Signature, *args: Any, **kwargs: Any):
+    arguments = signature.bind(*args, **kwargs)
+    arguments.apply_defaults()
+    given = arguments.arguments
+    operands = type(operation.names)(*(given.get(name) for name in operation.names))
+    accepted = inspect.signature(operation.options).parameters
+    options = operation.options(**{name: value for name, value in given.items() if name in accepted})
+    prepared = _dispatch.prepare(operation, options, operands, _tuning.current())
+    _dispatch.check_values(operation, prepared, operands)
+    return BoundMerge(operation, prepared, operands)
 
 
 class BoundMerge:
@@ -35,9 +60,12 @@ class BoundMerge:
 
     Parameters
     ----------
-    prepared : Prepared
-        The merge's prepared call and arrays, as a merge returns them when given
-        ``stream=PREPARE`` (what :func:`bind` does).
+    operation : Operation
+        The merge, as the dispatcher knows it.
+    prepared : Call
+        Its call, prepared for the arrays.
+    operands : TwoStateOperands or ManyStateOperands
+        The arrays, by name.
 
     Examples
     --------
@@ -49,28 +77,30 @@ class BoundMerge:
     <BoundMerge of cupy arrays on device 0: launches a prepared kernel>
     """
 
-    __slots__ = ("_adapter", "_device", "_keep_alive", "_launch", "_result", "_torch_pointers")
+    __slots__ = ("_adapter", "_call", "_device", "_guard", "_keep_alive", "_launches", "_result")
 
-    def __init__(self, prepared: _dispatch.Prepared):
-        operation, call, arrays = prepared
-        if call.adapter.kind == "jax":
+    def __init__(self, operation: _dispatch.Operation, prepared: _dispatch.Call, operands: Any):
+        if prepared.adapter.kind == "jax":
             raise TypeError(
                 "merge: JAX arrays are immutable, so a bound merge cannot write into them again; "
-                "call the merge each time instead"
+                "call the merge each time instead (under jax.jit it is one launch)"
             )
-        out, out_lse, patches = _dispatch.allocate(call, arrays[0], arrays[1], None)
-        self._launch = None if call.launch is None else _kernels.with_pointers(call.launch, patches)
-        self._adapter = call.adapter
-        self._device = call.device
-        bound = (out, out_lse, *arrays[2:])
-        self._keep_alive = bound
-        self._result = (call.adapter.result(out), call.adapter.result(out_lse)) if operation.returns else None
-        torch = _arrays.torch_module()
-        self._torch_pointers = tuple(
-            (tensor, tensor.data_ptr(), name)
-            for tensor, name in zip(bound, operation.names)
-            if torch is not None and isinstance(tensor, torch.Tensor)
+        outputs, patches = _dispatch.allocate(prepared, None)
+        self._launches = tuple(
+            _kernels.with_pointers(launch, patch) if patch else launch
+            for launch, patch in zip(prepared.launches, patches)
         )
+        self._call = prepared
+        self._adapter = prepared.adapter
+        self._device = prepared.device
+        bound = operands._replace(**outputs)
+        self._keep_alive = bound
+        self._result = (
+            (prepared.adapter.result(bound.out), prepared.adapter.result(bound.out_lse))
+            if operation.returns
+            else None
+        )
+        self._guard = _arrays.PointerGuard(tuple(bound), tuple(operation.names))
 
     def __call__(self, stream: Stream = None) -> Any:
         """Launch the merge again.
@@ -79,7 +109,7 @@ class BoundMerge:
         ----------
         stream : Stream
             Where to launch: the current stream of the arrays' kind when None,
-            as the merges do.
+            as the merges do (else a stream of the arrays' device).
 
         Returns
         -------
@@ -98,26 +128,22 @@ class BoundMerge:
         >>> merge()[0] is out
         True
         """
-        for tensor, pointer, name in self._torch_pointers:
-            if tensor.data_ptr() != pointer:
-                raise RuntimeError(
-                    f"{name}: no longer points at the memory this merge was bound to (its storage was "
-                    f"replaced, resized or freed); bind the merge again"
-                )
+        self._guard.check()
         if stream is None:
             stream_ptr = self._adapter.current_stream(self._device)
         else:
             stream_ptr = _arrays.stream_pointer(stream)
-        if self._launch is not None:
-            _kernels.launch(self._launch, stream_ptr)
+            _dispatch.check_stream(stream_ptr, self._call)
+        for launch in self._launches:
+            _kernels.launch(launch, stream_ptr)
         return self._result
 
     def __repr__(self) -> str:
-        kernel = "nothing (empty arrays)" if self._launch is None else "a prepared kernel"
+        kernel = "nothing (empty arrays)" if not self._launches else "a prepared kernel"
         return f"<BoundMerge of {self._adapter.kind} arrays on device {self._device}: launches {kernel}>"
 
 
-def bind(merge: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def bind(merge: Callable[..., Any], *args: Any, **kwargs: Any) -> Bound:
     """Check and plan ``merge(*args, **kwargs)`` without launching it; return it bound.
 
     Parameters
@@ -160,17 +186,12 @@ def bind(merge: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     >>> float(out[0, 0, 0])  # the mean of 2 and 0, equal weights
     1.0
     """
-    from .distributed import merge_across_ranks
-
-    if not any(merge is bindable for bindable in (*_BINDABLE, merge_across_ranks)):
-        names = ", ".join(f.__name__ for f in (*_BINDABLE, merge_across_ranks))
-        raise TypeError(f"merge: expected one of cupy_merge's merges ({names}), got {merge!r}")
+    binder = getattr(merge, BINDER, None)
+    if binder is None:
+        raise TypeError(
+            f"merge: expected one of cupy_merge's merges (merge_attn_states, merge_state, merge_state_in_place, "
+            f"merge_states, merge_states_varlen, merge_across_ranks), got {merge!r}"
+        )
     if "stream" in kwargs:
         raise TypeError("stream: pass it to each launch of the bound merge, not to bind")
-    if merge is merge_across_ranks:
-        from .distributed import _bound
-
-        return _bound.bind(*args, **kwargs)
-    prepared = merge(*args, **kwargs, stream=_dispatch.PREPARE)
-    _dispatch.check_values(*prepared)
-    return BoundMerge(prepared)
+    return binder(*args, **kwargs)

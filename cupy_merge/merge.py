@@ -6,7 +6,8 @@ Shapes, everywhere in this package:
   bfloat16, any token and head strides, contiguous last dimension;
 * log-sum-exp ``s``: ``[num_heads, num_tokens]``, float32, natural log (or base 2
   with ``lse_base=2``), any strides (a token-major ``[num_tokens, num_heads]``
-  buffer is passed as its transpose ``s.T``, no copy).
+  buffer is passed as its transpose ``s.T``, no copy);
+* attention sinks ``sinks``: float32 ``[num_heads]`` natural-log logits, any stride.
 """
 
 from __future__ import annotations
@@ -14,52 +15,61 @@ from __future__ import annotations
 from typing import Any
 
 from . import _checks, _dispatch
-from ._arrays import DeviceArray, Stream
-from ._plan import TwoStateOptions
+from ._arrays import Stream
+from ._operands import TwoStateOperands
+from .bound import declare
+from .types import Array, LseBase
 
-_MERGE_ATTN_STATES = _dispatch.Operation.two_states(
+_MERGE_ATTN_STATES = _dispatch.Operation(
     "merge_attn_states",
-    _checks.TwoStateNames(
-        "output", "output_lse", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse"
-    ),
+    TwoStateOperands("output", "output_lse", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse",
+                     "mask", "sinks", "output_scale", "output_block_scale"),
+    _checks.two_state_options,
     allocates=False,
     returns=False,
-)
-_MERGE_STATE = _dispatch.Operation.two_states(
+)  # fmt: skip
+_MERGE_STATE = _dispatch.Operation(
     "merge_state",
-    _checks.TwoStateNames("out", "out_lse", "v_a", "s_a", "v_b", "s_b"),
+    TwoStateOperands("out", "out_lse", "v_a", "s_a", "v_b", "s_b", "mask", "sinks", "output_scale",
+                     "output_block_scale"),
+    _checks.two_state_options,
     allocates=True,
     returns=True,
-)
-_MERGE_STATE_IN_PLACE = _dispatch.Operation.two_states(
+)  # fmt: skip
+_MERGE_STATE_IN_PLACE = _dispatch.Operation(
     "merge_state_in_place",
-    _checks.TwoStateNames("v", "s", "v", "s", "v_other", "s_other", "mask"),
+    TwoStateOperands("v", "s", "v", "s", "v_other", "s_other", "mask", "sinks", "output_scale",
+                     "output_block_scale"),
+    _checks.two_state_options,
     allocates=False,
     returns=False,
-)
+)  # fmt: skip
 
 
 def merge_attn_states(
-    output: DeviceArray,
-    prefix_output: DeviceArray,
-    prefix_lse: DeviceArray,
-    suffix_output: DeviceArray,
-    suffix_lse: DeviceArray,
-    output_lse: DeviceArray | None = None,
+    output: Array,
+    prefix_output: Array,
+    prefix_lse: Array,
+    suffix_output: Array,
+    suffix_lse: Array,
+    output_lse: Array | None = None,
     prefill_tokens_with_context: int | None = None,
-    output_scale: DeviceArray | None = None,
-    *,
-    output_block_scale: DeviceArray | None = None,
+    output_scale: Array | None = None,
+    output_block_scale: Array | None = None,
     quant_group_size: int | None = None,
+    quant_scale_ue8m0: bool = False,
+    *,
     scale_ue8m0: bool = False,
-    lse_base: str | int = "e",
+    sinks: Array | None = None,
+    lse_base: LseBase = "e",
     stream: Stream = None,
 ) -> None:
     """Merge two attention states into ``output`` (vLLM's ``merge_attn_states``).
 
     The signature and meaning of vLLM's op, so serving code can swap it in:
     ``output = w_p * prefix_output + w_s * suffix_output`` with weights from the
-    two log-sum-exps, written in place; nothing is returned.
+    two log-sum-exps, written in place; nothing is returned. Under
+    ``torch.compile`` it is the registered op ``torch.ops.cupy_merge.merge_attn_states``.
 
     Parameters
     ----------
@@ -100,13 +110,21 @@ def merge_attn_states(
     quant_group_size : int, optional
         Elements per group scale, a divisor of ``head_size`` (128 is common);
         required with ``output_block_scale``.
+    quant_scale_ue8m0 : bool
+        vLLM's name for ``scale_ue8m0``, in its position.
     scale_ue8m0 : bool
         Round each group scale up to a power of two (UE8M0, as DeepGEMM reads them).
+    sinks : DeviceArray, optional
+        Attention sinks, float32 ``[num_heads]``: each head's logit counted once in
+        the denominator, ``lse = log(exp(s_p) + exp(s_s) + exp(sink))``; the output
+        LSE includes it (do not merge the result again with the sinks). Tokens past
+        ``prefill_tokens_with_context`` take the suffix merged with the sink alone.
     lse_base : {"e", 2}
         Base of every LSE in and out: natural log (vLLM) or base 2 (FlashInfer).
+        Sinks are natural-log logits either way.
     stream : Stream
         Where to launch: torch's current stream for torch tensors, CuPy's
-        current stream otherwise, unless given.
+        current stream otherwise, unless given (it must be of the arrays' device).
 
     Returns
     -------
@@ -135,37 +153,43 @@ def merge_attn_states(
     >>> bool(cupy.allclose(out, v, atol=1e-3))
     True
     """
-    options = TwoStateOptions(
-        _checks.lse_base_flag(lse_base),
-        _checks.token_count(prefill_tokens_with_context),
-        None,
-        *_checks.quant_group(quant_group_size, output_block_scale, scale_ue8m0),
+    options = _checks.two_state_options(
+        lse_base=lse_base,
+        prefill_tokens_with_context=prefill_tokens_with_context,
+        output_block_scale=output_block_scale,
+        quant_group_size=quant_group_size,
+        scale_ue8m0=scale_ue8m0,
+        quant_scale_ue8m0=quant_scale_ue8m0,
     )
-    arrays = (output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, None,
-              output_scale, output_block_scale)  # fmt: skip
-    return _dispatch.call(_MERGE_ATTN_STATES, options, arrays, stream)
+    operands = TwoStateOperands(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, None,
+                                sinks, output_scale, output_block_scale)  # fmt: skip
+    return _dispatch.call(_MERGE_ATTN_STATES, options, operands, stream)
 
 
 def merge_state(
-    v_a: DeviceArray,
-    s_a: DeviceArray,
-    v_b: DeviceArray,
-    s_b: DeviceArray,
+    v_a: Array,
+    s_a: Array,
+    v_b: Array,
+    s_b: Array,
     *,
-    out: DeviceArray | None = None,
-    out_lse: DeviceArray | None = None,
+    out: Array | None = None,
+    out_lse: Array | None = None,
     out_dtype: Any = None,
-    output_scale: DeviceArray | None = None,
-    output_block_scale: DeviceArray | None = None,
+    sinks: Array | None = None,
+    output_scale: Array | None = None,
+    output_block_scale: Array | None = None,
     quant_group_size: int | None = None,
     scale_ue8m0: bool = False,
-    lse_base: str | int = "e",
+    lse_base: LseBase = "e",
     stream: Stream = None,
-) -> tuple[DeviceArray, DeviceArray]:
+) -> tuple[Array, Array]:
     """Merge two attention states and return the merged ``(v, s)``.
 
-    FlashInfer's ``merge_state`` with NumPy-style ``out=`` arguments: outputs not
-    given are allocated (C-contiguous, on the stream that writes them).
+    FlashInfer's ``merge_state`` semantics (in cupy-merge's layout: LSE
+    ``[num_heads, num_tokens]``, natural log by default; ``cupy_merge.compat.flashinfer``
+    has FlashInfer's own) with NumPy-style ``out=`` arguments: outputs not given
+    are allocated (C-contiguous, on the stream that writes them). Works on JAX
+    arrays, inside ``jax.jit`` too, and under ``torch.compile``.
 
     Parameters
     ----------
@@ -187,6 +211,8 @@ def merge_state(
         Dtype of an allocated ``out`` (``"bfloat16"``, ``torch.float16``,
         ``"float8_e4m3fn"``, ...); the input dtype by default. Must match ``out``
         when both are given.
+    sinks : DeviceArray, optional
+        Attention sinks, float32 ``[num_heads]``, as for :func:`merge_attn_states`.
     output_scale : DeviceArray, optional
         An FP8 output's per-tensor scale, as for :func:`merge_attn_states`.
     output_block_scale : DeviceArray, optional
@@ -222,24 +248,26 @@ def merge_state(
     >>> v.dtype, float(v[0, 0, 0]), round(float(s[0, 0]), 4)
     (dtype('float16'), 2.0, 0.6931)
     """
-    options = TwoStateOptions(
-        _checks.lse_base_flag(lse_base),
-        None,
-        _checks.optional_value_dtype(out_dtype),
-        *_checks.quant_group(quant_group_size, output_block_scale, scale_ue8m0),
+    options = _checks.two_state_options(
+        lse_base=lse_base,
+        out_dtype=out_dtype,
+        output_block_scale=output_block_scale,
+        quant_group_size=quant_group_size,
+        scale_ue8m0=scale_ue8m0,
     )
-    arrays = (out, out_lse, v_a, s_a, v_b, s_b, None, output_scale, output_block_scale)
-    return _dispatch.call(_MERGE_STATE, options, arrays, stream)
+    operands = TwoStateOperands(out, out_lse, v_a, s_a, v_b, s_b, None, sinks, output_scale, output_block_scale)
+    return _dispatch.call(_MERGE_STATE, options, operands, stream)
 
 
 def merge_state_in_place(
-    v: DeviceArray,
-    s: DeviceArray,
-    v_other: DeviceArray,
-    s_other: DeviceArray,
-    mask: DeviceArray | None = None,
+    v: Array,
+    s: Array,
+    v_other: Array,
+    s_other: Array,
+    mask: Array | None = None,
     *,
-    lse_base: str | int = "e",
+    sinks: Array | None = None,
+    lse_base: LseBase = "e",
     stream: Stream = None,
 ) -> None:
     """Merge ``(v_other, s_other)`` into ``(v, s)`` in place (FlashInfer's ``merge_state_in_place``).
@@ -258,6 +286,9 @@ def merge_state_in_place(
         Bool ``[num_tokens]``: tokens where it is False are left untouched
         (nothing read or written), so one captured CUDA graph serves batches
         where only some tokens have a second state.
+    sinks : DeviceArray, optional
+        Attention sinks, float32 ``[num_heads]``, as for :func:`merge_attn_states`
+        (counted in this merge: merging into ``(v, s)`` again with sinks counts them again).
     lse_base : {"e", 2}
         Base of every LSE in and out.
     stream : Stream
@@ -277,6 +308,11 @@ def merge_state_in_place(
     >>> float(v[0, 0, 0]), float(v[1, 0, 0])
     (2.0, 1.0)
     """
-    options = TwoStateOptions(_checks.lse_base_flag(lse_base))
-    arrays = (v, s, v, s, v_other, s_other, mask, None, None)
-    return _dispatch.call(_MERGE_STATE_IN_PLACE, options, arrays, stream)
+    options = _checks.two_state_options(lse_base=lse_base)
+    operands = TwoStateOperands(v, s, v, s, v_other, s_other, mask, sinks, None, None)
+    return _dispatch.call(_MERGE_STATE_IN_PLACE, options, operands, stream)
+
+
+declare(merge_attn_states, _MERGE_ATTN_STATES)
+declare(merge_state, _MERGE_STATE)
+declare(merge_state_in_place, _MERGE_STATE_IN_PLACE)

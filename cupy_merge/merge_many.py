@@ -5,31 +5,40 @@ from __future__ import annotations
 from typing import Any
 
 from . import _checks, _dispatch
-from ._arrays import DeviceArray, Stream
-from ._plan import ManyStateOptions
+from ._arrays import Stream
+from ._operands import ManyStateOperands
+from .bound import declare
+from .types import Array, LseBase
 
-_MERGE_STATES = _dispatch.Operation.many_states("merge_states", ragged=False)
-_MERGE_STATES_VARLEN = _dispatch.Operation.many_states("merge_states_varlen", ragged=True)
+_NAMES = ManyStateOperands("out", "out_lse", "v", "s", "indptr", "sinks", "output_scale", "output_block_scale")
+_MERGE_STATES = _dispatch.Operation(
+    "merge_states", _NAMES, _checks.many_state_options, allocates=True, returns=True
+)
+_MERGE_STATES_VARLEN = _dispatch.Operation(
+    "merge_states_varlen", _NAMES, _checks.many_state_options, allocates=True, returns=True, ragged=True
+)
 
 
 def merge_states(
-    v: DeviceArray,
-    s: DeviceArray,
+    v: Array,
+    s: Array,
     *,
-    out: DeviceArray | None = None,
-    out_lse: DeviceArray | None = None,
-    lse_base: str | int = "e",
+    out: Array | None = None,
+    out_lse: Array | None = None,
+    lse_base: LseBase = "e",
     out_dtype: Any = None,
-    output_scale: DeviceArray | None = None,
-    output_block_scale: DeviceArray | None = None,
+    sinks: Array | None = None,
+    output_scale: Array | None = None,
+    output_block_scale: Array | None = None,
     quant_group_size: int | None = None,
     scale_ue8m0: bool = False,
     stream: Stream = None,
-) -> tuple[DeviceArray, DeviceArray]:
+) -> tuple[Array, Array]:
     """Merge ``num_states`` attention states of the same tokens in one pass over memory.
 
     Split-KV decoding's last step: each state is the attention of the same
-    queries over one split of the KV sequence.
+    queries over one split of the KV sequence. At most 65,536 states a token
+    (float32 sums of more drift out of the inputs' range).
 
     Parameters
     ----------
@@ -52,6 +61,10 @@ def merge_states(
     out_dtype : str or dtype, optional
         Dtype of an allocated ``out``, e.g. bfloat16 from float32 partials, or
         ``"float8_e4m3fn"`` with a scale.
+    sinks : DeviceArray, optional
+        Attention sinks, float32 ``[num_heads]`` natural-log logits, each counted
+        once in its head's denominator (a state of value 0 and LSE ``sink``); no
+        states then give 0 and LSE ``sink``.
     output_scale : DeviceArray, optional
         An FP8 output's per-tensor scale, as for :func:`cupy_merge.merge_attn_states`.
     output_block_scale : DeviceArray, optional
@@ -85,32 +98,34 @@ def merge_states(
     >>> out.dtype, out.shape, float(out[0, 0, 0]), round(float(lse[0, 0]), 4)
     (dtype('float16'), (4, 8, 128), 1.0, 2.7726)
     """
-    options = ManyStateOptions(
-        _checks.lse_base_flag(lse_base),
-        _checks.optional_value_dtype(out_dtype),
-        False,
-        *_checks.quant_group(quant_group_size, output_block_scale, scale_ue8m0),
+    options = _checks.many_state_options(
+        lse_base=lse_base,
+        out_dtype=out_dtype,
+        output_block_scale=output_block_scale,
+        quant_group_size=quant_group_size,
+        scale_ue8m0=scale_ue8m0,
     )
-    arrays = (out, out_lse, v, s, None, output_scale, output_block_scale)
-    return _dispatch.call(_MERGE_STATES, options, arrays, stream)
+    operands = ManyStateOperands(out, out_lse, v, s, None, sinks, output_scale, output_block_scale)
+    return _dispatch.call(_MERGE_STATES, options, operands, stream)
 
 
 def merge_states_varlen(
-    v: DeviceArray,
-    s: DeviceArray,
-    indptr: DeviceArray,
+    v: Array,
+    s: Array,
+    indptr: Array,
     *,
-    out: DeviceArray | None = None,
-    out_lse: DeviceArray | None = None,
-    lse_base: str | int = "e",
+    out: Array | None = None,
+    out_lse: Array | None = None,
+    lse_base: LseBase = "e",
     out_dtype: Any = None,
     check_indptr: bool = True,
-    output_scale: DeviceArray | None = None,
-    output_block_scale: DeviceArray | None = None,
+    sinks: Array | None = None,
+    output_scale: Array | None = None,
+    output_block_scale: Array | None = None,
     quant_group_size: int | None = None,
     scale_ue8m0: bool = False,
     stream: Stream = None,
-) -> tuple[DeviceArray, DeviceArray]:
+) -> tuple[Array, Array]:
     """Merge a ragged batch: token ``t`` owns rows ``indptr[t]:indptr[t + 1]`` of ``v`` and ``s``.
 
     Parameters
@@ -122,7 +137,8 @@ def merge_states_varlen(
         buffers as ``lse.T``).
     indptr : DeviceArray
         Int32 or int64 ``[num_tokens + 1]`` on the GPU: non-decreasing offsets
-        starting at 0; a token with no rows gets 0 and ``-inf``.
+        starting at 0, at most 65,536 rows a token; a token with no rows gets 0
+        and ``-inf`` (with sinks: 0 and its sink).
     out : DeviceArray, optional
         As for :func:`merge_states`.
     out_lse : DeviceArray, optional
@@ -132,10 +148,13 @@ def merge_states_varlen(
     out_dtype : str or dtype, optional
         As for :func:`merge_states`.
     check_indptr : bool
-        Copy ``indptr`` to the host and check it before launching (a
-        synchronisation). Pass False inside CUDA graphs or hot loops: the kernel
-        then writes NaN for any token whose offsets are out of range, never
-        reading outside ``v``.
+        Copy ``indptr`` to the host (on the merge's stream) and check it before
+        launching: a synchronisation. Pass False inside CUDA graphs, hot loops,
+        ``torch.compile`` and ``jax.jit`` (where it is refused): the kernel then
+        writes NaN for any token whose offsets are out of range, never reading
+        outside ``v``.
+    sinks : DeviceArray, optional
+        As for :func:`merge_states`.
     output_scale : DeviceArray, optional
         As for :func:`merge_states`.
     output_block_scale : DeviceArray, optional
@@ -164,11 +183,17 @@ def merge_states_varlen(
     >>> out.shape, float(out[0, 0, 0]), float(out[1, 0, 0]), bool(cupy.isneginf(lse[:, 1]).all())
     ((3, 8, 64), 1.0, 0.0, True)
     """
-    options = ManyStateOptions(
-        _checks.lse_base_flag(lse_base),
-        _checks.optional_value_dtype(out_dtype),
-        _checks.flag(check_indptr, "check_indptr"),
-        *_checks.quant_group(quant_group_size, output_block_scale, scale_ue8m0),
+    options = _checks.many_state_options(
+        lse_base=lse_base,
+        out_dtype=out_dtype,
+        check_indptr=check_indptr,
+        output_block_scale=output_block_scale,
+        quant_group_size=quant_group_size,
+        scale_ue8m0=scale_ue8m0,
     )
-    arrays = (out, out_lse, v, s, indptr, output_scale, output_block_scale)
-    return _dispatch.call(_MERGE_STATES_VARLEN, options, arrays, stream)
+    operands = ManyStateOperands(out, out_lse, v, s, indptr, sinks, output_scale, output_block_scale)
+    return _dispatch.call(_MERGE_STATES_VARLEN, options, operands, stream)
+
+
+declare(merge_states, _MERGE_STATES)
+declare(merge_states_varlen, _MERGE_STATES_VARLEN)

@@ -1,7 +1,10 @@
-"""NumPy float64 reference of the merge, with the same rules for empty and NaN rows.
+"""NumPy float64 reference of the merge, with the same rules as the GPU merges.
 
 Meant for tests and for users' own checks: slow, exact to float64, host only.
-Pass NumPy arrays (``cupy_array.get()``, ``tensor.float().cpu().numpy()``).
+Pass NumPy arrays (``cupy_array.get()``, ``tensor.float().cpu().numpy()``) of any
+floating dtype. Shapes, offsets and options follow the GPU merges' rules, with
+their error messages (``cupy_merge._checks``); empty, NaN, ``+inf`` and sink
+rows follow their semantics.
 """
 
 from __future__ import annotations
@@ -11,13 +14,19 @@ import math
 import numpy as np
 from numpy.typing import ArrayLike
 
+from . import _checks
+from ._arrays import HOST, ArraySpec, contiguous_strides
 from ._checks import lse_base_flag
+from ._operands import ManyStateOperands, TwoStateOperands
 
 __all__ = [
     "attention",
     "merge_state",
+    "merge_state_backward",
     "merge_states",
+    "merge_states_backward",
     "merge_states_varlen",
+    "merge_states_varlen_backward",
     "quantize_fp8",
     "quantize_fp8_groups",
 ]
@@ -29,7 +38,13 @@ FP8_ABS_MAX_FLOOR = 1e-10
 
 
 def merge_state(
-    v_a: ArrayLike, s_a: ArrayLike, v_b: ArrayLike, s_b: ArrayLike, lse_base: str | int = "e"
+    v_a: ArrayLike,
+    s_a: ArrayLike,
+    v_b: ArrayLike,
+    s_b: ArrayLike,
+    lse_base: str | int = "e",
+    *,
+    sinks: ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Merge two attention states in float64.
 
@@ -45,13 +60,16 @@ def merge_state(
         Its log-sum-exp, like ``s_a``.
     lse_base : {"e", 2}
         Base of the LSEs in and out.
+    sinks : array_like, optional
+        Attention sinks, ``[num_heads]`` natural-log logits: one more state of
+        value 0 and LSE ``sink`` in each head's merge.
 
     Returns
     -------
     v : numpy.ndarray
         Float64 ``[num_tokens, num_heads, head_size]``.
     s : numpy.ndarray
-        Float64 ``[num_heads, num_tokens]``.
+        Float64 ``[num_heads, num_tokens]`` (the sinks included).
 
     Examples
     --------
@@ -62,10 +80,19 @@ def merge_state(
     >>> out[0, 0], lse[0]
     (array([2., 2., 2., 2.]), array([0.69314718, 0.69314718]))
     """
-    return merge_states(np.stack([_f64(v_a), _f64(v_b)]), np.stack([_f64(s_a), _f64(s_b)]), lse_base)
+    names = TwoStateOperands("out", "out_lse", "v_a", "s_a", "v_b", "s_b", sinks="sinks")
+    arrays = [_host(x, name) for x, name in ((v_a, "v_a"), (s_a, "s_a"), (v_b, "v_b"), (s_b, "s_b"))]
+    specs = [_spec(x) for x in arrays]
+    values = names._replace(out=None, out_lse=None, v_a=specs[0], s_a=specs[1], v_b=specs[2], s_b=specs[3],
+                            mask=None, sinks=None, output_scale=None, output_block_scale=None)  # fmt: skip
+    state = _checks.check_two_inputs(values, names)
+    sink = _sinks(sinks, state.num_heads, "v_a")
+    return merge_states(np.stack(arrays[::2]), np.stack(arrays[1::2]), lse_base, sinks=sink)
 
 
-def merge_states(v: ArrayLike, s: ArrayLike, lse_base: str | int = "e") -> tuple[np.ndarray, np.ndarray]:
+def merge_states(
+    v: ArrayLike, s: ArrayLike, lse_base: str | int = "e", *, sinks: ArrayLike | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Merge any number of states in float64.
 
     Parameters
@@ -76,6 +103,8 @@ def merge_states(v: ArrayLike, s: ArrayLike, lse_base: str | int = "e") -> tuple
         ``[num_states, num_heads, num_tokens]``, in base ``lse_base``.
     lse_base : {"e", 2}
         Base of the LSEs in and out.
+    sinks : array_like, optional
+        Attention sinks, ``[num_heads]`` natural-log logits.
 
     Returns
     -------
@@ -83,7 +112,7 @@ def merge_states(v: ArrayLike, s: ArrayLike, lse_base: str | int = "e") -> tuple
         ``[num_tokens, num_heads, head_size]``; no states at all, or only empty
         ones, give 0.
     s : numpy.ndarray
-        ``[num_heads, num_tokens]``; ``-inf`` for such tokens.
+        ``[num_heads, num_tokens]``; ``-inf`` for such tokens (the sink with sinks).
 
     Examples
     --------
@@ -93,16 +122,23 @@ def merge_states(v: ArrayLike, s: ArrayLike, lse_base: str | int = "e") -> tuple
     >>> out.ravel(), lse.ravel()
     (array([1., 1.]), array([2.]))
     """
-    v, s = _f64(v), _f64(s)
+    v, s = _host(v, "v"), _host(s, "s")
+    names = ManyStateOperands("out", "out_lse", "v", "s", "indptr", "sinks")
+    specs = ManyStateOperands(None, None, _spec(v), _spec(s))
+    state, _ = _checks.check_many_inputs(specs, names)
     log_base = math.log(2.0) if lse_base_flag(lse_base) else 1.0
-    if s.shape[0] == 0:
-        return np.zeros(v.shape[1:]), np.full(s.shape[1:], -np.inf)
-    out, lse = _merge(v, s * log_base)
+    out, lse = _merge(_f64(v), _f64(s) * log_base, _sinks(sinks, state.num_heads, "v"))
     return out, lse / log_base
 
 
 def merge_states_varlen(
-    v: ArrayLike, s: ArrayLike, indptr: ArrayLike, lse_base: str | int = "e"
+    v: ArrayLike,
+    s: ArrayLike,
+    indptr: ArrayLike,
+    lse_base: str | int = "e",
+    *,
+    check_indptr: bool = True,
+    sinks: ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Ragged merge in float64: token ``t`` merges rows ``indptr[t]:indptr[t + 1]``.
 
@@ -113,9 +149,14 @@ def merge_states_varlen(
     s : array_like
         ``[num_heads, total_states]``, in base ``lse_base``.
     indptr : array_like
-        ``[num_tokens + 1]`` integer offsets.
+        ``[num_tokens + 1]`` int32 or int64 offsets.
     lse_base : {"e", 2}
         Base of the LSEs in and out.
+    check_indptr : bool
+        Refuse bad offsets with ``ValueError``, as the GPU merge does; False gives
+        NaN rows for them instead, as its kernel does.
+    sinks : array_like, optional
+        Attention sinks, ``[num_heads]`` natural-log logits.
 
     Returns
     -------
@@ -133,15 +174,235 @@ def merge_states_varlen(
     (array([[0., 0.],
            [1., 1.]]), array([      -inf, 1.09861229]))
     """
-    v, s, indptr = _f64(v), _f64(s), np.asarray(indptr)
+    v, s, indptr = _host(v, "v"), _host(s, "s"), np.asarray(indptr)
+    names = ManyStateOperands("out", "out_lse", "v", "s", "indptr", "sinks")
+    specs = ManyStateOperands(None, None, _spec(v), _spec(s), _spec(indptr))
+    state, total = _checks.check_many_inputs(specs, names)
+    check_indptr = _checks.flag(check_indptr, "check_indptr")
+    if check_indptr:
+        _checks.indptr_values(indptr, total)
+    sink = _sinks(sinks, state.num_heads, "v")
+    v, s = _f64(v), _f64(s)
     num_tokens = len(indptr) - 1
     out = np.zeros((num_tokens, *v.shape[1:]))
     lse = np.full((v.shape[1], num_tokens), -np.inf)
+    log_base = math.log(2.0) if lse_base_flag(lse_base) else 1.0
     for token in range(num_tokens):
-        rows = slice(indptr[token], indptr[token + 1])
-        merged, merged_lse = merge_states(v[rows, None], s[:, rows].T[:, :, None], lse_base)
-        out[token], lse[:, token] = merged[0], merged_lse[:, 0]
+        begin, end = int(indptr[token]), int(indptr[token + 1])
+        if begin < 0 or end < begin or end > total or end - begin > _checks.MAX_STATES_PER_TOKEN:
+            out[token], lse[:, token] = np.nan, np.nan  # the kernel's rule for offsets out of range
+            continue
+        merged, merged_lse = _merge(v[begin:end, None], s[:, begin:end].T[:, :, None] * log_base, sink)
+        out[token], lse[:, token] = merged[0], merged_lse[:, 0] / log_base
     return out, lse
+
+
+def merge_states_backward(
+    v: ArrayLike,
+    s: ArrayLike,
+    grad_v: ArrayLike,
+    grad_s: ArrayLike | None = None,
+    *,
+    sinks: ArrayLike | None = None,
+    lse_base: str | int = "e",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The gradients of :func:`merge_states` in float64, by the merge's closed form.
+
+    With ``w_i = exp(s_i - S)`` and ``V`` the merge: ``dV_i = w_i dV``,
+    ``ds_i = w_i (<dV, V_i - V> + dS)``, ``dz = sum_t w_z (dS - <dV, V>)``; a state of
+    weight zero gets zero gradients even when its values are NaN.
+
+    Parameters
+    ----------
+    v : array_like
+        ``[num_states, num_tokens, num_heads, head_size]``.
+    s : array_like
+        ``[num_states, num_heads, num_tokens]``, in base ``lse_base``.
+    grad_v : array_like
+        The gradient of the merged values, ``[num_tokens, num_heads, head_size]``.
+    grad_s : array_like, optional
+        The gradient of the merged LSE, ``[num_heads, num_tokens]``; None for zero.
+    sinks : array_like, optional
+        ``[num_heads]`` natural-log logits.
+    lse_base : {"e", 2}
+        Base of the LSEs (and of the LSE whose gradient ``grad_s`` is).
+
+    Returns
+    -------
+    grad_states_v : numpy.ndarray
+        Float64, like ``v``.
+    grad_states_s : numpy.ndarray
+        Float64, like ``s``.
+    grad_sinks : numpy.ndarray or None
+        Float64 ``[num_heads]`` with sinks, else None.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupy_merge import reference
+    >>> v = np.stack([np.ones((1, 1, 2)), 3 * np.ones((1, 1, 2))]); s = np.zeros((2, 1, 1))
+    >>> grad_v, grad_s, _ = reference.merge_states_backward(v, s, np.ones((1, 1, 2)))
+    >>> grad_v[:, 0, 0, 0].tolist(), grad_s[:, 0, 0].tolist()
+    ([0.5, 0.5], [-1.0, 1.0])
+    """
+    v, s = _host(v, "v"), _host(s, "s")
+    names = ManyStateOperands("out", "out_lse", "v", "s", "indptr", "sinks")
+    state, _ = _checks.check_many_inputs(ManyStateOperands(None, None, _spec(v), _spec(s)), names)
+    sink = _sinks(sinks, state.num_heads, "v")
+    grad_v = _gradient(grad_v, "grad_v", (state.num_tokens, state.num_heads, state.head_size))
+    grad_s = _gradient(grad_s, "grad_s", (state.num_heads, state.num_tokens))
+    log_base = math.log(2.0) if lse_base_flag(lse_base) else 1.0
+    return _backward(_f64(v), _f64(s) * log_base, grad_v, grad_s / log_base, sink, log_base)
+
+
+def merge_state_backward(
+    v_a: ArrayLike,
+    s_a: ArrayLike,
+    v_b: ArrayLike,
+    s_b: ArrayLike,
+    grad_v: ArrayLike,
+    grad_s: ArrayLike | None = None,
+    *,
+    sinks: ArrayLike | None = None,
+    lse_base: str | int = "e",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """The gradients of :func:`merge_state` in float64: ``(grad_v_a, grad_s_a, grad_v_b, grad_s_b,
+    grad_sinks)`` (see :func:`merge_states_backward`).
+
+    Parameters
+    ----------
+    v_a, s_a, v_b, s_b : array_like
+        The merge's inputs.
+    grad_v : array_like
+        The gradient of the merged values.
+    grad_s : array_like, optional
+        The gradient of the merged LSE; None for zero.
+    sinks : array_like, optional
+        ``[num_heads]`` natural-log logits.
+    lse_base : {"e", 2}
+        Base of the LSEs.
+
+    Returns
+    -------
+    tuple
+        Float64 gradients of ``v_a``, ``s_a``, ``v_b``, ``s_b`` and the sinks (None without).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupy_merge import reference
+    >>> v = np.ones((1, 1, 2)); s = np.zeros((1, 1))
+    >>> grads = reference.merge_state_backward(v, s, 3 * v, s, np.ones((1, 1, 2)))
+    >>> grads[0][0, 0].tolist(), float(grads[1][0, 0])
+    ([0.5, 0.5], -1.0)
+    """
+    arrays = [_host(x, name) for x, name in ((v_a, "v_a"), (s_a, "s_a"), (v_b, "v_b"), (s_b, "s_b"))]
+    names = TwoStateOperands("out", "out_lse", "v_a", "s_a", "v_b", "s_b", sinks="sinks")
+    _checks.check_two_inputs(TwoStateOperands(None, None, *(_spec(x) for x in arrays)), names)
+    grad_states_v, grad_states_s, grad_sinks = merge_states_backward(
+        np.stack(arrays[::2]), np.stack(arrays[1::2]), grad_v, grad_s, sinks=sinks, lse_base=lse_base
+    )
+    return grad_states_v[0], grad_states_s[0], grad_states_v[1], grad_states_s[1], grad_sinks
+
+
+def merge_states_varlen_backward(
+    v: ArrayLike,
+    s: ArrayLike,
+    indptr: ArrayLike,
+    grad_v: ArrayLike,
+    grad_s: ArrayLike | None = None,
+    *,
+    sinks: ArrayLike | None = None,
+    lse_base: str | int = "e",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The gradients of :func:`merge_states_varlen` in float64 (rows no token owns: zero).
+
+    Parameters
+    ----------
+    v : array_like
+        ``[total_states, num_heads, head_size]``.
+    s : array_like
+        ``[num_heads, total_states]``.
+    indptr : array_like
+        ``[num_tokens + 1]`` offsets (checked as :func:`merge_states_varlen` checks them).
+    grad_v : array_like
+        ``[num_tokens, num_heads, head_size]``.
+    grad_s : array_like, optional
+        ``[num_heads, num_tokens]``; None for zero.
+    sinks : array_like, optional
+        ``[num_heads]`` natural-log logits.
+    lse_base : {"e", 2}
+        Base of the LSEs.
+
+    Returns
+    -------
+    tuple
+        Float64 gradients of ``v``, ``s`` and the sinks (None without).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cupy_merge import reference
+    >>> grad_v, _, _ = reference.merge_states_varlen_backward(np.ones((3, 1, 2)), np.zeros((1, 3)), [0, 1, 3],
+    ...                                                        np.ones((2, 1, 2)))
+    >>> grad_v[:, 0, 0].tolist()
+    [1.0, 0.5, 0.5]
+    """
+    v, s, indptr = _host(v, "v"), _host(s, "s"), np.asarray(indptr)
+    names = ManyStateOperands("out", "out_lse", "v", "s", "indptr", "sinks")
+    state, total = _checks.check_many_inputs(ManyStateOperands(None, None, _spec(v), _spec(s), _spec(indptr)), names)
+    _checks.indptr_values(indptr, total)
+    grad_v = _gradient(grad_v, "grad_v", (state.num_tokens, state.num_heads, state.head_size))
+    grad_s = _gradient(grad_s, "grad_s", (state.num_heads, state.num_tokens))
+    sink = _sinks(sinks, state.num_heads, "v")
+    log_base = math.log(2.0) if lse_base_flag(lse_base) else 1.0
+    v, s = _f64(v), _f64(s) * log_base
+    grad_states_v, grad_states_s = np.zeros_like(v), np.zeros_like(s)
+    grad_sinks = None if sink is None else np.zeros_like(sink)
+    for token in range(len(indptr) - 1):
+        rows = slice(int(indptr[token]), int(indptr[token + 1]))
+        token_v, token_s, token_z = _backward(v[rows, None], s[:, rows].T[:, :, None], grad_v[token : token + 1],
+                                              grad_s[:, token : token + 1] / log_base, sink, log_base)  # fmt: skip
+        grad_states_v[rows], grad_states_s[:, rows] = token_v[:, 0], token_s[:, :, 0].T
+        if grad_sinks is not None:
+            grad_sinks += token_z
+    return grad_states_v, grad_states_s, grad_sinks
+
+
+def _gradient(grad: ArrayLike | None, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if grad is None:
+        return np.zeros(shape)
+    array = _host(grad, name)
+    _checks.expect_shape(_spec(array), shape, name, "the shape of the merge's result")
+    return _f64(array)
+
+
+def _backward(v, s, grad_v, grad_s, sinks, log_base):
+    """Natural-log ``s`` and ``grad_s``; the gradients with ``s``'s back in the caller's base."""
+    s = np.where(s == np.inf, -np.inf, s)
+    if sinks is not None:
+        s_all = np.concatenate([s, np.broadcast_to(sinks[None, :, None], (1, *s.shape[1:]))])
+    else:
+        s_all = s
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        if s_all.shape[0] == 0:
+            big = np.full(s.shape[1:], -np.inf)
+        else:
+            top = np.max(s_all, axis=0)
+            safe = np.where(np.isfinite(top), top, 0.0)
+            big = np.where(top == -np.inf, -np.inf, safe + np.log(np.exp(s_all - safe).sum(axis=0)))
+        weights = np.where(big == -np.inf, 0.0, np.exp(s - big))  # [states, heads, tokens]
+        w = np.swapaxes(weights, 1, 2)[..., None]  # [states, tokens, heads, 1]
+        merged = np.where(w == 0.0, 0.0, w * v).sum(axis=0)
+        inner = np.einsum("thd,sthd->sht", grad_v, np.where(w == 0.0, 0.0, v))
+        dot_v = np.einsum("thd,thd->ht", grad_v, merged)
+        grad_states_v = np.where(w == 0.0, 0.0, w * grad_v[None])
+        grad_states_s = np.where(weights == 0.0, 0.0, weights * (inner - dot_v[None] + grad_s[None])) * log_base
+        grad_sinks = None
+        if sinks is not None:
+            w_z = np.where(big == -np.inf, 0.0, np.exp(sinks[:, None] - big))
+            grad_sinks = (w_z * (grad_s - dot_v)).sum(axis=1)
+    return grad_states_v, grad_states_s, grad_sinks
 
 
 def quantize_fp8(v: ArrayLike, scale: float) -> np.ndarray:
@@ -224,22 +485,54 @@ def _f64(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-def _merge(v: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``v`` ``[states, tokens, heads, dim]``, ``s`` ``[states, heads, tokens]``, natural log."""
+def _host(x: ArrayLike, name: str) -> np.ndarray:
+    """A NumPy array of floats (or indices) as the reference takes it, or TypeError naming ``name``."""
+    array = np.asarray(x)
+    if array.dtype.kind not in "fiu" and array.dtype.name != "bfloat16":
+        raise TypeError(f"{name}: expected a NumPy array of floats, got dtype {array.dtype}")
+    return array
+
+
+def _spec(array: np.ndarray) -> ArraySpec:
+    """What the GPU merges' shape rules read of a host array: its shape, and a dtype they take
+    (the reference takes any floating dtype and computes in float64)."""
+    dtype = ("int64" if array.itemsize == 8 else "int32") if array.dtype.kind in "iu" else "float32"
+    return ArraySpec(array.shape, contiguous_strides(array.shape), dtype, 4, HOST)
+
+
+def _sinks(sinks: ArrayLike | None, num_heads: int, like: str) -> np.ndarray | None:
+    if sinks is None:
+        return None
+    array = _host(sinks, "sinks")
+    _checks.expect_ndim(_spec(array), 1, "sinks", "[num_heads]")
+    _checks.expect_shape(_spec(array), (num_heads,), "sinks", f"num_heads of {like}")
+    return _f64(array)
+
+
+def _merge(v: np.ndarray, s: np.ndarray, sinks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``v`` ``[states, tokens, heads, dim]``, ``s`` ``[states, heads, tokens]``, natural log;
+    ``sinks`` ``[heads]``: a state of value 0 and LSE ``sink`` in every token of its head."""
     s = np.where(s == np.inf, -np.inf, s)  # FlashAttention-2 marks empty rows with +inf
+    if sinks is not None:
+        s = np.concatenate([s, np.broadcast_to(sinks[None, :, None], (1, *s.shape[1:]))])
+        v = np.concatenate([v, np.zeros((1, *v.shape[1:]))])
+    if s.shape[0] == 0:
+        return np.zeros(v.shape[1:]), np.full(s.shape[1:], -np.inf)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        any_nan = np.isnan(s).any(axis=0)  # a NaN LSE or sink: its row NaN
+        takes_all = np.isposinf(s).any(axis=0)  # a +inf sink: all the weight, values 0
         s_max = np.max(s, axis=0)
         all_empty = s_max == -np.inf
-        shifted = s - np.where(all_empty, 0.0, s_max)
-        weights = np.exp(shifted)
+        shifted = s - np.where(all_empty | takes_all, 0.0, s_max)
+        weights = np.where(takes_all, np.isposinf(s), np.exp(shifted))
         total = weights.sum(axis=0)
         weights = weights / np.where(all_empty, 1.0, total)
-        lse = np.where(all_empty, -np.inf, s_max + np.log(total))
+        lse = np.where(all_empty, -np.inf, np.where(takes_all, np.inf, s_max + np.log(total)))
         # [states, heads, tokens] -> [states, tokens, heads, 1], to scale rows of v.
         w = np.swapaxes(weights, 1, 2)[..., None]
         # A state of weight zero contributes nothing, even if its values are NaN.
-        contributions = np.where(w == 0.0, 0.0, w * v)
-    return contributions.sum(axis=0), lse
+        out = np.where(w == 0.0, 0.0, w * v).sum(axis=0)
+    return np.where(any_nan.T[..., None], np.nan, out), np.where(any_nan, np.nan, lse)
 
 
 def attention(

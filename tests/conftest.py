@@ -31,11 +31,16 @@ def pytest_addoption(parser):
     )
 
 
-def pytest_configure(config):
-    if config.getoption("--strided-kernels"):
-        from cupy_merge import _plan
+@pytest.fixture(autouse=True)
+def _strided_kernels(request):
+    """With --strided-kernels, every test plans its merges on the general kernels."""
+    if not request.config.getoption("--strided-kernels"):
+        yield
+        return
+    from cupy_merge import _tuning
 
-        _plan.PACKED_KERNELS = False
+    with _tuning.use(_tuning.DEFAULT.replace(packed_kernels=False)):
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

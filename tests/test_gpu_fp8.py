@@ -120,7 +120,7 @@ def _merged_reference(v_a, s_a, v_b, s_b, prefill=None):
 # -- the conversion itself -----------------------------------------------------------------------
 
 _CONVERT = r"""
-#include "numerics.cuh"
+#include "fp8.cuh"
 // Bit patterns first, first + 1, ... (or in[i], when given) converted to FP8.
 extern "C" __global__ void convert(unsigned long long first, unsigned long long count, unsigned char* out,
                                    const unsigned* in) {

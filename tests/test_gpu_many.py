@@ -16,7 +16,7 @@ import pytest
 from gpu_arrays import backend_for, fill_nan, relative_error, to_device, to_host
 
 import cupy_merge as cm
-from cupy_merge import _dispatch, _plan, reference
+from cupy_merge import _dispatch, _plan, _tuning, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -389,13 +389,15 @@ def test_every_bad_call_raises_naming_the_argument_and_writes_nothing():
 
 @pytest.fixture
 def planner(monkeypatch):
-    """Set planner switches; no call prepared under one setting is reused under another."""
-    monkeypatch.setattr(_dispatch, "_calls", {})
+    """Plan under another tuning, or with 64-bit offsets forced: a context; no call or plan made
+    under one setting is reused under another."""
 
-    def switch(**settings):
-        _dispatch._calls.clear()
-        for name, value in settings.items():
-            monkeypatch.setattr(_plan, name, value)
+    def switch(index_32_limit=None, **tuning):
+        for cache in ("_calls", "_plans", "_calls_by_tuning"):
+            monkeypatch.setattr(_dispatch, cache, {})
+        if index_32_limit is not None:
+            monkeypatch.setattr(_plan, "INDEX_32_LIMIT", index_32_limit)
+        return _tuning.use(_tuning.DEFAULT.replace(**tuning))
 
     return switch
 
@@ -408,10 +410,10 @@ def test_both_kernel_families_and_both_offset_widths_agree(rng, num_states, plan
     v = to_device(rng.standard_normal((num_states, 37, 8, 128)), "float16", "cupy")
     s = to_device(_lse(rng, num_states, 8, 37), "float32", "cupy")
     packed = [to_host(x) for x in cm.merge_states(v, s)]
-    planner(PACKED_KERNELS=False)
-    narrow = [to_host(x) for x in cm.merge_states(v, s)]
-    planner(PACKED_KERNELS=False, INDEX_32_LIMIT=0)
-    wide = [to_host(x) for x in cm.merge_states(v, s)]
+    with planner(packed_kernels=False):
+        narrow = [to_host(x) for x in cm.merge_states(v, s)]
+    with planner(index_32_limit=0, packed_kernels=False):
+        wide = [to_host(x) for x in cm.merge_states(v, s)]
     for got, want in zip(wide, narrow):
         np.testing.assert_array_equal(got, want)
     want = reference.merge_states(to_host(v), to_host(s))

@@ -1,24 +1,33 @@
-"""The kernel sweep's settings: applied for a block, restored after, with nothing compiled or prepared kept."""
+"""The kernel sweep's variants: real tunings, applied for a block, leaving nothing behind."""
 
-from cupy_merge import _catalogue, _dispatch, _kernels, _plan
+import pytest
+
+from cupy_merge import _dispatch, _tuning
 from cupy_merge.tools import sweep
 
 
-def test_every_variant_names_only_constants_that_exist():
-    for variants in (sweep.TWO_VARIANTS, sweep.MANY_VARIANTS):
-        for settings in variants.values():
-            for name in settings:
-                assert hasattr(sweep._Settings._owner(name), name), name
+@pytest.mark.parametrize("variants", [sweep.TWO_VARIANTS, sweep.MANY_VARIANTS], ids=["two", "many"])
+def test_every_variant_is_a_tuning_of_real_fields(variants):
+    for settings in variants.values():
+        tuning = sweep.tuning_of(settings)
+        assert all(getattr(tuning, name) == value for name, value in settings.items())
 
 
-def test_settings_are_restored_and_compiled_modules_forgotten_when_the_options_change(monkeypatch):
-    before = (_plan.MIN_ROW_THREADS, _catalogue.MERGE_CHUNK, _catalogue.COMPILE_OPTIONS)
-    monkeypatch.setitem(_kernels._modules, ("a module", 0), object())
-    monkeypatch.setitem(_dispatch._calls, "a prepared call", object())
-    with sweep._Settings(sweep.MANY_VARIANTS["chunk8"] | {"MIN_ROW_THREADS": 16}):
-        assert (_plan.MIN_ROW_THREADS, _catalogue.MERGE_CHUNK) == (16, 8)
-        assert "-DMERGE_CHUNK=8" in _catalogue.COMPILE_OPTIONS
-        assert not _kernels._modules and not _dispatch._calls
-        _kernels._modules[("compiled with chunks of 8", 0)] = object()
-    assert (_plan.MIN_ROW_THREADS, _catalogue.MERGE_CHUNK, _catalogue.COMPILE_OPTIONS) == before
-    assert not _kernels._modules, "a module compiled with the variant's options would outlive it"
+def test_a_variant_is_a_value_that_leaves_no_global_behind():
+    before = _tuning.current()
+    with _tuning.use(sweep.tuning_of(sweep.MANY_VARIANTS["chunk8"])) as tuning:
+        assert _tuning.current() is tuning and tuning.merge_chunk == 8
+        assert "-DMERGE_CHUNK=8" in tuning.compile_options
+    assert _tuning.current() is before is _tuning.DEFAULT
+    assert tuning != _tuning.DEFAULT and hash(tuning) != hash(_tuning.DEFAULT)
+
+
+def test_calls_planned_under_another_tuning_are_cached_apart():
+    tuning = sweep.tuning_of({"packed_kernels": False})
+    with _tuning.use(tuning):
+        assert _dispatch._calls_by_tuning.setdefault(tuning, {}) is not _dispatch._calls
+
+
+def test_use_refuses_what_is_not_a_tuning():
+    with pytest.raises(TypeError, match="^tuning: expected"), _tuning.use({"packed_kernels": False}):  # type: ignore[arg-type]
+        pass

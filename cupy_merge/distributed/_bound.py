@@ -9,11 +9,15 @@ then one or two kernels and the collectives.
 
 from __future__ import annotations
 
-import contextlib
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from .. import _arrays
-from . import _steps
+from .._checks import RANK_NAMES
+from ..bound import bind as bind_merge
+from ..merge_many import merge_states
+from . import _steps, _strategies
 
 
 class BoundAcrossRanks:
@@ -30,12 +34,10 @@ class BoundAcrossRanks:
 
     Parameters
     ----------
-    call : CrossRankCall
-        The checked merge, from ``cupy_merge.distributed.resolve``.
+    call : RankCall
+        The checked merge, from ``cupy_merge.distributed._strategies.resolve``.
     rerun : callable
         The merge as called, taking ``out=`` and ``out_lse=``: what a launch runs on CPU tensors.
-    v : DeviceArray
-        The values as given (``call.v`` is a contiguous copy when their last dimension was strided).
 
     Examples
     --------
@@ -52,42 +54,32 @@ class BoundAcrossRanks:
     >>> dist.destroy_process_group()
     """
 
-    __slots__ = ("_result", "_run", "_streams", "_torch_pointers")
+    __slots__ = ("_adapter", "_device", "_guard", "_result", "_run")
+    _run: Callable[[int | None], None]
 
-    def __init__(self, call: Any, rerun: Any, v: Any):
-        xp = call.xp
-        num_tokens, num_heads, head_size = call.v.shape
-        heads = num_heads // call.shards
-        out = (
-            call.out if call.out is not None else xp.empty_values((num_tokens, heads, head_size), like=call.v)
-        )
-        out_lse = call.out_lse if call.out_lse is not None else xp.empty_lse((heads, num_tokens), like=call.v)
+    def __init__(self, call: _strategies.RankCall, rerun: Any):
+        state = call.state
+        out = call.arrays.out
+        if out is None:
+            out = _strategies._values(call, (state.num_tokens, call.heads, state.head_size))
+        out_lse = _strategies.merged_lse_buffer(call)
+        call = call._replace(arrays=call.arrays._replace(out=out, out_lse=out_lse))
+        for field in ("out", "out_lse"):
+            call.views[field] = call.adapter.describe(getattr(call.arrays, field), field, **_host(call))
         self._result = (out, out_lse)
-        self._streams = xp
-        torch = _arrays.torch_module()
-        self._torch_pointers = tuple(
-            (array, array.data_ptr(), name)
-            for array, name in ((v, "v"), (call.s, "s"), (out, "out"), (out_lse, "out_lse"))
-            if torch is not None and isinstance(array, torch.Tensor)
-        )
-        # Each step function's closure holds the buffers it launches on.
-        if not xp.on_gpu(v):
-            self._run = lambda: rerun(out=out, out_lse=out_lse)
-            return
-        steps = (
-            _exchange_steps(call, out, out_lse)
-            if call.op in ("allgather", "alltoall")
-            else _sum_steps(call, out, out_lse)
-        )
-        if call.v is v:
-            self._run = steps
-        else:  # the kernels read the contiguous copy: refresh it at each launch
-
-            def refresh_then_run() -> None:
-                xp.assign(call.v, v)
-                steps()
-
-            self._run = refresh_then_run
+        self._adapter = call.adapter
+        self._device = state.device
+        self._guard = _arrays.PointerGuard(tuple(call.arrays), tuple(RANK_NAMES))
+        steps: Callable[[], None]
+        if not call.on_gpu:
+            steps = functools.partial(rerun, out=out, out_lse=out_lse)
+        elif state.num_tokens == 0 or state.num_heads == 0:
+            steps = _nothing
+        elif call.op in ("allgather", "alltoall"):
+            steps = _exchange_steps(call)
+        else:
+            steps = _sum_steps(call)
+        self._run = functools.partial(_in_scope, call, steps)
 
     def __call__(self, stream: Any = None) -> tuple[Any, Any]:
         """Run the merge again: collectives and kernels on ``stream`` (default: the current one).
@@ -95,7 +87,7 @@ class BoundAcrossRanks:
         Parameters
         ----------
         stream : Stream
-            A CuPy or torch stream (or raw pointer) of the arrays' kind; None for the current one.
+            A CuPy or torch stream (or raw pointer) of the arrays' device; None for the current one.
 
         Returns
         -------
@@ -112,57 +104,61 @@ class BoundAcrossRanks:
         (2, 4, 8)
         >>> dist.destroy_process_group()
         """
-        for tensor, pointer, name in self._torch_pointers:
-            if tensor.data_ptr() != pointer:
-                raise RuntimeError(
-                    f"{name}: no longer points at the memory this merge was bound to (its storage was "
-                    f"replaced, resized or freed); bind the merge again"
-                )
-        with self._streams.stream_context(stream) if stream is not None else contextlib.nullcontext():
-            self._run()
+        self._guard.check()
+        self._run(_strategies._stream(stream, self._device))
         return self._result
 
 
-def _exchange_steps(call: Any, out: Any, out_lse: Any):
-    """Pack, all-gather or all-to-all, and the local merge bound on the received chunks."""
-    from .. import bind
-    from ..merge_many import merge_states
-    from . import exchange
+def _nothing() -> None:
+    pass
 
-    comm, xp, v = call.comm, call.xp, call.v
-    packed, layout = _steps.pack_buffer(xp, v, call.shards)
-    received = xp.empty_bytes((comm.world_size, layout.chunk_bytes), like=v)
-    pack = _steps.prepare_pack(xp, v, call.s, packed, layout)
-    values, lse = _steps.chunk_views(xp, received, layout, v.dtype)
-    local = bind(merge_states, values, lse, out=out, out_lse=out_lse, lse_base=2 if call.lse_base_2 else "e")
+
+def _host(call: _strategies.RankCall) -> dict:
+    return {"host": True} if call.adapter is _arrays.TORCH else {}
+
+
+def _in_scope(call: _strategies.RankCall, steps: Any, stream: int | None) -> None:
+    with call._replace(stream=stream).scope():
+        steps()
+
+
+def _exchange_steps(call: _strategies.RankCall):
+    """Pack, all-gather or all-to-all, and the local merge bound on the received chunks."""
+    packed, layout = _strategies.pack_buffer(call)
+    received = _strategies.received_buffer(call, layout)
+    pack = _steps.prepare_pack(call.views, packed, call.adapter.pointer(packed), layout)
+    values, lse = _steps.chunk_views(call.adapter, received, layout, call.state.dtype)
+    local = bind_merge(
+        merge_states, values, lse, out=call.arrays.out, out_lse=call.arrays.out_lse,
+        lse_base=2 if call.lse_base_2 else "e", sinks=_strategies.own_sinks(call),
+    )  # fmt: skip
+    adapter = call.adapter
 
     def run() -> None:
-        _steps.launch(xp, pack)
-        exchange(comm, received, packed)
+        _steps.launch(pack, None, adapter)
+        _strategies.exchange(call.comm, received, packed)
         local()
 
     return run
 
 
-def _sum_steps(call: Any, out: Any, out_lse: Any):
+def _sum_steps(call: _strategies.RankCall):
     """All-gather the LSEs, the scaling kernel, and the all-reduce or reduce-scatter."""
-    from . import scale_buffer, sum_over_ranks
-
-    comm, xp, v, s = call.comm, call.xp, call.v, call.s
-    num_tokens, num_heads, _ = v.shape
-    gathered = xp.empty_lse((comm.world_size, num_heads, num_tokens), like=v)
-    lse = s if xp.is_contiguous(s) else xp.empty_lse(tuple(s.shape), like=v)
-    scaled = scale_buffer(xp, v, call.shards, out)
-    scale = _steps.prepare_scale(xp, v, gathered, comm.rank, scaled, out_lse, call.lse_base_2)
+    gathered = _strategies.gathered_buffer(call)
+    lse, copy = _strategies.contiguous_lse(call)
+    scaled = _strategies.scale_buffer(call)
+    scale = _steps.prepare_scale(call.adapter, call.views, gathered, call.comm.rank, scaled, call.arrays.out_lse,
+                                 call.lse_base_2)  # fmt: skip
+    adapter, s, out = call.adapter, call.arrays.s, call.arrays.out
 
     def run() -> None:
-        if lse is not s:
-            xp.assign(lse, s)
-        comm.all_gather(gathered, lse)
-        _steps.launch(xp, scale)
-        merged = sum_over_ranks(comm, xp, scaled, out)
+        if copy:
+            adapter.copy(lse, s)
+        call.comm.all_gather(gathered, lse)
+        _steps.launch(scale, None, adapter)
+        merged = _strategies.sum_over_ranks(call, scaled)
         if merged is not out:
-            xp.assign(out, merged)
+            adapter.copy(out, merged)
 
     return run
 
@@ -177,14 +173,12 @@ def bind(
     out: Any = None,
     out_lse: Any = None,
     lse_base: str | int = "e",
+    sinks: Any = None,
 ) -> BoundAcrossRanks:
     """``merge_across_ranks``'s arguments, checked and prepared once (what ``cupy_merge.bind`` calls)."""
-    import functools
+    call = _strategies.resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, None)
 
-    from . import merge_across_ranks, resolve
+    def rerun(out: Any, out_lse: Any) -> None:
+        _strategies.run(_strategies.resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, None))
 
-    call = resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, None)
-    rerun = functools.partial(
-        merge_across_ranks, v, s, group, op=op, shard_heads=shard_heads, lse_base=lse_base
-    )
-    return BoundAcrossRanks(call, rerun, v)
+    return BoundAcrossRanks(call, rerun)

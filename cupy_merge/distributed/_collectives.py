@@ -1,22 +1,15 @@
-"""Communicators and array helpers behind :mod:`cupy_merge.distributed`, one pair per array kind.
+"""The communicators behind :mod:`cupy_merge.distributed`: a torch process group or a CuPy NCCL communicator.
 
 A communicator does the four collectives the strategies use, each on
 contiguous arrays: ``all_gather`` (into a stacked ``[world, ...]`` array, any
 dtype as bytes), ``all_to_all`` (equal chunks, bytes), ``all_reduce`` and
-``reduce_scatter`` (sums in the array's dtype). The helpers allocate, view and
-point at arrays of one kind, so the strategies never name torch or CuPy.
+``reduce_scatter`` (sums in the array's dtype). torch's run on its current
+stream (the merge makes the given one current); CuPy's on the stream given.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from typing import Any
-
-
-def is_torch_tensor(obj: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 class TorchGroup:
@@ -57,9 +50,9 @@ class TorchGroup:
 
 
 class CupyNccl:
-    """A ``cupy.cuda.nccl.NcclCommunicator``; collectives go on ``stream`` (default: the current one)."""
+    """A ``cupy.cuda.nccl.NcclCommunicator``; collectives go on ``stream`` (a raw pointer; None: the current one)."""
 
-    def __init__(self, comm: Any, stream: Any):
+    def __init__(self, comm: Any, stream: int | None):
         from cupy.cuda import nccl
 
         if comm is None or not hasattr(comm, "allReduce"):
@@ -75,7 +68,7 @@ class CupyNccl:
     def _stream_ptr(self) -> int:
         import cupy
 
-        return (self._stream or cupy.cuda.get_current_stream()).ptr
+        return self._stream if self._stream is not None else cupy.cuda.get_current_stream().ptr
 
     def _type(self, array: Any) -> int:
         nccl = self._nccl
@@ -116,147 +109,3 @@ class CupyNccl:
         self._comm.reduceScatter(
             array.data.ptr, out.data.ptr, out.size, self._type(array), self._nccl.NCCL_SUM, self._stream_ptr()
         )
-
-
-class TorchOps:
-    """Allocation, views and pointers of torch tensors (CPU or CUDA); ``t`` is torch itself."""
-
-    def __init__(self):
-        import torch
-
-        self.t = torch
-
-    def on_stream(self):
-        return contextlib.nullcontext()
-
-    def stream_context(self, stream):
-        """``stream`` (a torch stream or a raw pointer) made current."""
-        if not isinstance(stream, self.t.cuda.Stream):
-            from .._arrays import stream_pointer
-
-            stream = self.t.cuda.ExternalStream(stream_pointer(stream))
-        return self.t.cuda.stream(stream)
-
-    def on_gpu(self, x):
-        return x.is_cuda
-
-    def dtype_name(self, x):
-        return str(x.dtype).removeprefix("torch.")
-
-    def device_of(self, x):
-        return str(x.device)
-
-    def device_index(self, x):
-        return x.get_device()
-
-    def stream_pointer(self, device):
-        return self.t.cuda.current_stream(device).cuda_stream
-
-    def itemsize(self, x):
-        return x.element_size()
-
-    def strides(self, x):
-        return x.stride()
-
-    def pointer(self, x):
-        return x.data_ptr()
-
-    def is_contiguous(self, x):
-        return x.is_contiguous()
-
-    def empty_bytes(self, shape, like):
-        return self.t.empty(shape, dtype=self.t.uint8, device=like.device)
-
-    def empty_values(self, shape, like):
-        return self.t.empty(shape, dtype=like.dtype, device=like.device)
-
-    def empty_lse(self, shape, like):
-        return self.t.empty(shape, dtype=self.t.float32, device=like.device)
-
-    def strided_view(self, buffer, dtype, shape, strides, byte_offset):
-        """A view of the contiguous byte ``buffer``; strides in elements of ``dtype``."""
-        dtype = getattr(self.t, dtype) if isinstance(dtype, str) else dtype
-        typed = buffer.view(dtype)
-        itemsize = typed.element_size()
-        return typed.as_strided(shape, strides, typed.storage_offset() + byte_offset // itemsize)
-
-    def contiguous(self, x):
-        return x.contiguous()
-
-    def assign(self, dst, src):
-        dst.copy_(src)  # shapes, dtypes and devices were checked before any collective
-
-
-class CupyOps:
-    """Allocation, views and pointers of CuPy arrays, on ``stream`` when one is given."""
-
-    def __init__(self, stream):
-        import cupy
-
-        self.cp = cupy
-        self._stream = stream
-
-    def on_stream(self):
-        return self._stream if self._stream is not None else contextlib.nullcontext()
-
-    def stream_context(self, stream):
-        """``stream`` (a CuPy stream or a raw pointer) made current."""
-        if isinstance(stream, self.cp.cuda.Stream):
-            return stream
-        from .._arrays import stream_pointer
-
-        return self.cp.cuda.ExternalStream(stream_pointer(stream))
-
-    def on_gpu(self, x):
-        return True
-
-    def dtype_name(self, x):
-        return x.dtype.name
-
-    def device_of(self, x):
-        return x.device.id
-
-    def device_index(self, x):
-        return x.device.id
-
-    def stream_pointer(self, device):
-        return (self._stream or self.cp.cuda.get_current_stream(device)).ptr
-
-    def itemsize(self, x):
-        return x.itemsize
-
-    def strides(self, x):
-        return tuple(stride // x.itemsize for stride in x.strides)
-
-    def pointer(self, x):
-        return x.data.ptr
-
-    def is_contiguous(self, x):
-        return x.flags.c_contiguous
-
-    def _empty(self, shape, dtype, like):
-        with self.cp.cuda.Device(like.device.id):
-            return self.cp.empty(shape, dtype=dtype)
-
-    def empty_bytes(self, shape, like):
-        return self._empty(shape, self.cp.uint8, like)
-
-    def empty_values(self, shape, like):
-        return self._empty(shape, like.dtype, like)
-
-    def empty_lse(self, shape, like):
-        return self._empty(shape, self.cp.float32, like)
-
-    def strided_view(self, buffer, dtype, shape, strides, byte_offset):
-        from .._arrays import cupy_dtype
-
-        dtype = cupy_dtype(dtype) if isinstance(dtype, str) else self.cp.dtype(dtype)
-        return self.cp.ndarray(
-            shape, dtype, memptr=buffer.data + byte_offset, strides=tuple(s * dtype.itemsize for s in strides)
-        )
-
-    def contiguous(self, x):
-        return self.cp.ascontiguousarray(x)
-
-    def assign(self, dst, src):
-        dst[...] = src  # shapes and dtypes were checked before any collective

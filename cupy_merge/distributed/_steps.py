@@ -1,15 +1,17 @@
-"""The steps around a cross-rank merge's collectives, on the GPU as NVRTC kernels, elsewhere as torch operations.
+"""The steps around a cross-rank merge's collectives, on the GPU as NVRTC kernels, on the host as torch operations.
 
 * *Pack*: this rank's values and LSE in one byte buffer of equal chunks, one
   per head group (``cuda_src/merge_across_ranks.cu``, ``pack_states``), so one
   all-gather or one all-to-all moves both; the receiver reads the chunks in
   place through strided views (:func:`chunk_views`), with no unpacking.
 * *Scale*: with every rank's LSE at hand, this rank's values times their final
-  weight, so that a plain sum over ranks (all-reduce, reduce-scatter) is the
-  merge; and the merged LSE (``scale_for_sum``).
+  weight (sinks counted once), so that a plain sum over ranks (all-reduce,
+  reduce-scatter) is the merge; and the merged LSE (``scale_for_sum``).
 
-The host versions (torch CPU tensors, as gloo runs them) follow the same rules
-and write the same layouts, so the CPU tests in CI check the strategies' logic.
+Launches are planned by the core's planner (``_plan.plan_rank_step``) and bound
+by its launcher. The host versions (torch CPU tensors, as gloo runs them)
+follow the same rules and write the same layouts, so the CPU tests in CI check
+the strategies' logic.
 """
 
 from __future__ import annotations
@@ -17,12 +19,10 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from .. import _arrays, _kernels
 from .. import _catalogue as cat
-from .._plan import LaunchPlan, choose_vector_width
-
-#: Threads of a block of the rank kernels, over as many rows as a row's packs leave room for.
-ROW_THREADS = 128
+from .. import _kernels, _plan
+from .._arrays import HOST, ArrayView, alignment
+from .._plan import Pointer
 
 
 class ChunkLayout(NamedTuple):
@@ -47,105 +47,111 @@ def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-def chunk_views(xp: Any, buffer: Any, layout: ChunkLayout, dtype: Any) -> tuple[Any, Any]:
+def chunk_views(adapter: Any, buffer: Any, layout: ChunkLayout, dtype: str) -> tuple[Any, Any]:
     """``buffer`` (bytes ``[chunks, chunk_bytes]``) as values ``[chunks, tokens, heads, head_size]``
     and LSE ``[chunks, heads, tokens]``, the stacked layout the N-way merge takes."""
     chunks = buffer.shape[0]
     tokens, heads, head_size, itemsize = layout.num_tokens, layout.heads, layout.head_size, layout.itemsize
-    values = xp.strided_view(
+    values = adapter.view(
         buffer, dtype, (chunks, tokens, heads, head_size),
         (layout.chunk_bytes // itemsize, heads * head_size, head_size, 1), 0,
     )  # fmt: skip
-    lse = xp.strided_view(
+    lse = adapter.view(
         buffer, "float32", (chunks, heads, tokens), (layout.chunk_bytes // 4, tokens, 1), layout.lse_offset
     )
     return values, lse
 
 
-def pack_buffer(xp: Any, v: Any, shards: int) -> tuple[Any, ChunkLayout]:
-    """A byte buffer for ``v``'s state as ``shards`` chunks, ``[shards, chunk_bytes]``, and its layout."""
-    num_tokens, num_heads, head_size = v.shape
-    layout = chunk_layout(num_tokens, num_heads // shards, head_size, xp.itemsize(v))
-    return xp.empty_bytes((shards, layout.chunk_bytes), like=v), layout
-
-
-def pack_states(xp: Any, v: Any, s: Any, packed: Any, layout: ChunkLayout) -> None:
+def pack_states(adapter: Any, v: Any, s: Any, views: dict, packed: Any, layout: ChunkLayout, stream: int | None) -> None:
     """``v`` ``[T, H, D]`` and ``s`` ``[H, T]`` (any strides) into ``packed``'s chunks of ``H / chunks`` heads."""
-    if xp.on_gpu(v):
-        launch(xp, prepare_pack(xp, v, s, packed, layout))
+    if views["v"].device != HOST:
+        launch(prepare_pack(views, packed, adapter.pointer(packed), layout), stream, adapter)
         return
     num_tokens, num_heads, head_size = v.shape
     shards = packed.shape[0]
-    values, lse = chunk_views(xp, packed, layout, v.dtype)
+    values, lse = chunk_views(adapter, packed, layout, views["v"].dtype)
     values.copy_(v.reshape(num_tokens, shards, num_heads // shards, head_size).transpose(0, 1))
     lse.copy_(s.reshape(shards, num_heads // shards, num_tokens))
 
 
-def prepare_pack(xp: Any, v: Any, s: Any, packed: Any, layout: ChunkLayout) -> _kernels.PreparedLaunch | None:
-    """The packing kernel's launch for these arrays (None: nothing to pack)."""
+def prepare_pack(views: dict, packed: Any, packed_ptr: int, layout: ChunkLayout) -> _kernels.PreparedLaunch:
+    """The packing kernel's launch for these arrays (``views``: ArrayViews of ``v`` and ``s``)."""
+    v, s = views["v"], views["s"]
     num_tokens, num_heads, head_size = v.shape
-    if num_tokens * num_heads == 0:
-        return None
-    v_strides, s_strides = xp.strides(v), xp.strides(s)
     args = {
-        "packed": xp.pointer(packed), "v": xp.pointer(v), "lse": xp.pointer(s),
+        "packed": Pointer("packed"), "v": Pointer("v"), "lse": Pointer("s"),
         "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size,
         "heads_per_shard": num_heads // packed.shape[0],
         "chunk_bytes": layout.chunk_bytes, "lse_offset": layout.lse_offset,
-        "v_stride_token": v_strides[0], "v_stride_head": v_strides[1],
-        "lse_stride_head": s_strides[0], "lse_stride_token": s_strides[1],
+        "v_stride_token": v.strides[0], "v_stride_head": v.strides[1],
+        "lse_stride_head": s.strides[0], "lse_stride_token": s.strides[1],
     }  # fmt: skip
-    return _prepare(xp, cat.RANK_PACK, num_tokens * num_heads, head_size, args, v)
+    packed_view = v._replace(ptr=packed_ptr, shape=(packed.shape[0] * layout.chunk_bytes // v.itemsize,),
+                             strides=(1,))  # fmt: skip
+    return _prepare(cat.RANK_PACK, v, [v, packed_view], args, {"packed": packed_ptr, "v": v.ptr, "s": s.ptr})
 
 
 def scale_for_sum(
-    xp: Any, v: Any, gathered_s: Any, rank: int, scaled: Any, out_lse: Any, lse_base_2: int
-) -> None:
+    adapter: Any, v: Any, views: dict, gathered_s: Any, rank: int, scaled: Any, out_lse: Any, lse_base_2: int,
+    sinks: Any, stream: int | None,
+) -> None:  # fmt: skip
     """This rank's values times their final weights into ``scaled`` ``[shards, T, H / shards, D]``.
 
     ``gathered_s``: every rank's LSE, ``[world, H, T]`` contiguous float32. The merged
     LSE of head group ``rank`` (all heads when ``shards`` is 1) is written to ``out_lse``.
     """
-    if xp.on_gpu(v):
-        launch(xp, prepare_scale(xp, v, gathered_s, rank, scaled, out_lse, lse_base_2))
+    if views["v"].device != HOST:
+        launch(prepare_scale(adapter, views, gathered_s, rank, scaled, out_lse, lse_base_2), stream, adapter)
     else:
-        _scale_on_host(xp, v, gathered_s, rank, scaled, out_lse, lse_base_2)
+        _scale_on_host(adapter, v, gathered_s, rank, scaled, out_lse, lse_base_2, sinks)
 
 
 def prepare_scale(
-    xp: Any, v: Any, gathered_s: Any, rank: int, scaled: Any, out_lse: Any, lse_base_2: int
-) -> _kernels.PreparedLaunch | None:
-    """The scaling kernel's launch for these arrays (None: nothing to scale)."""
+    adapter: Any, views: dict, gathered_s: Any, rank: int, scaled: Any, out_lse: Any, lse_base_2: int
+) -> _kernels.PreparedLaunch:
+    """The scaling kernel's launch for these arrays (``views``: ArrayViews of ``v`` and any ``sinks``)."""
+    v, sinks = views["v"], views.get("sinks")
     num_tokens, num_heads, head_size = v.shape
-    if num_tokens * num_heads == 0:
-        return None
     shards = scaled.shape[0]
     heads = num_heads // shards
-    v_strides, lse_strides = xp.strides(v), xp.strides(out_lse)
+    out_lse_view = adapter.describe(out_lse, "out_lse")
+    scaled_view = adapter.describe(scaled, "out")
     args = {
-        "scaled": xp.pointer(scaled), "out_lse": xp.pointer(out_lse), "v": xp.pointer(v),
-        "gathered_lse": xp.pointer(gathered_s), "world": gathered_s.shape[0], "rank": rank,
+        "scaled": Pointer("scaled"), "out_lse": Pointer("out_lse"), "v": Pointer("v"),
+        "gathered_lse": Pointer("gathered"), "world": gathered_s.shape[0], "rank": rank,
         "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size, "heads_per_shard": heads,
         "chunk_elements": num_tokens * heads * head_size, "first_head": rank * heads if shards > 1 else 0,
-        "out_heads": out_lse.shape[0], "v_stride_token": v_strides[0], "v_stride_head": v_strides[1],
-        "out_lse_stride_head": lse_strides[0], "out_lse_stride_token": lse_strides[1],
+        "out_heads": out_lse.shape[0], "v_stride_token": v.strides[0], "v_stride_head": v.strides[1],
+        "out_lse_stride_head": _stride(out_lse_view, 0), "out_lse_stride_token": _stride(out_lse_view, 1),
         "lse_base_2": lse_base_2,
+        "sinks": Pointer("sinks") if sinks is not None else 0, "sinks_stride": _stride(sinks, 0),
     }  # fmt: skip
-    return _prepare(xp, cat.RANK_SCALE, num_tokens * num_heads, head_size, args, v)
+    addresses = {"scaled": scaled_view.ptr, "out_lse": out_lse_view.ptr, "v": v.ptr,
+                 "gathered": adapter.pointer(gathered_s), "sinks": sinks.ptr if sinks is not None else 0}  # fmt: skip
+    return _prepare(cat.RANK_SCALE, v, [v, scaled_view], args, addresses)
 
 
-def _scale_on_host(xp, v, gathered_s, rank, scaled, out_lse, lse_base_2) -> None:
-    torch = xp.t
+def _stride(view: ArrayView | None, dim: int) -> int:
+    return view.strides[dim] if view is not None and view.shape[dim] > 1 else 0
+
+
+def _scale_on_host(adapter, v, gathered_s, rank, scaled, out_lse, lse_base_2, sinks) -> None:
+    import torch
+
     shards = scaled.shape[0]
     first_head = rank * (v.shape[1] // shards) if shards > 1 else 0
     to_natural = math.log(2.0) if lse_base_2 else 1.0
     s = torch.where(gathered_s == math.inf, -math.inf, gathered_s) * to_natural  # [W, H, T]
+    if sinks is not None:  # the sink: one more state of value 0, counted once
+        s = torch.cat([s, sinks.float().reshape(1, -1, 1).expand(1, *s.shape[1:])])
+    takes_all = torch.isposinf(s[-1]) if sinks is not None else torch.zeros_like(s[0], dtype=torch.bool)
     any_nan = torch.isnan(s).any(0)
     lse_max = torch.where(torch.isnan(s), -math.inf, s).amax(0)
     empty = lse_max == -math.inf
-    weights = torch.where(empty, 0.0, torch.exp(s - torch.where(empty, 0.0, lse_max)))
+    weights = torch.where(empty, 0.0, torch.exp(s - torch.where(empty | takes_all, 0.0, lse_max)))
     total = weights.sum(0)
     own = torch.where(total == 0.0, 0.0, weights[rank] / torch.where(total == 0.0, 1.0, total))
+    own = torch.where(takes_all, 0.0, own)
     own = torch.where(any_nan, math.nan, own)
     row_weight = own.T[..., None]  # [T, H, 1]
     # A state of weight zero adds exactly 0, even if its values are NaN (an empty shard).
@@ -153,6 +159,7 @@ def _scale_on_host(xp, v, gathered_s, rank, scaled, out_lse, lse_base_2) -> None
     num_tokens, num_heads, head_size = v.shape
     scaled.copy_(values.reshape(num_tokens, shards, num_heads // shards, head_size).transpose(0, 1))
     merged = torch.where(empty, -math.inf, lse_max + torch.log(total)) / to_natural
+    merged = torch.where(takes_all, math.inf, merged)
     merged = torch.where(any_nan, math.nan, merged)
     out_lse.copy_(merged[first_head : first_head + out_lse.shape[0]])
 
@@ -162,57 +169,63 @@ _MAX_PREPARED = 1024
 
 
 def _prepare(
-    xp: Any, family: cat.KernelFamily, rows: int, head_size: int, args: dict, like: Any
+    family: cat.KernelFamily, v: ArrayView, touched: list[ArrayView], args: dict, addresses: dict
 ) -> _kernels.PreparedLaunch:
-    """Rows of ``like``'s shape on its device: 16-byte packs where every row is aligned (the
-    merges' rule, ``choose_vector_width``; the buffers written start on 16 bytes), else elements.
+    """A rank step's launch, planned by the core (16-byte packs where every array it touches
+    keeps them aligned) and bound to ``addresses``.
 
-    Prepared launches are kept by their arguments: a serving loop's buffers come
-    back from the caching allocator at the same addresses, so a step's launches
-    are found again instead of packed anew.
+    Prepared launches are kept by their arguments and addresses: a serving loop's buffers
+    come back from the caching allocator at the same addresses, so a step's launches are
+    found again instead of packed anew.
     """
-    dtype = xp.dtype_name(like)
-    device = xp.device_index(like)
-    values = family.arguments(**args)
-    key = (family.name, dtype, values, device)  # the arguments hold every pointer, stride and size
+    key = (family.name, v.dtype, v.device, tuple(sorted(args.items())), tuple(sorted(addresses.items())))
     prepared = _prepared.get(key)
     if prepared is None:
-        widths = (16 // xp.itemsize(like), 1)
-        vec = choose_vector_width([_arrays.describe(like, "v")], head_size, widths)
-        threads_x = max(1, min(head_size // vec, ROW_THREADS))
-        rows_y = max(1, ROW_THREADS // threads_x)
-        grid = (min(-(-rows // rows_y), 2**31 - 1), 1, 1)
-        module = cat.Module(cat.RANKS_SOURCE, dtype, dtype)
-        plan = LaunchPlan(
-            module, family.instance(T=dtype, VEC=vec), grid, (threads_x, rows_y, 1), values, 0, 0, 0
-        )
-        prepared = _kernels.prepare(plan, device)
+        specs = [view.spec for view in touched]
+        launch_plan = _plan.plan_rank_step(family, v.dtype, v.shape[0] * v.shape[1], v.shape[2], specs, args)
+        prepared = _kernels.prepare(launch_plan, v.device, addresses)
         if len(_prepared) >= _MAX_PREPARED:
             _prepared.clear()
         _prepared[key] = prepared
     return prepared
 
 
-def launch(xp: Any, prepared: _kernels.PreparedLaunch | None) -> None:
-    """A prepared rank kernel on the current stream of ``xp``'s kind (CuPy: its given stream)."""
-    if prepared is not None:
-        _kernels.launch(prepared, xp.stream_pointer(prepared.device))
+def launch(prepared: _kernels.PreparedLaunch, stream: int | None, adapter: Any) -> None:
+    """A prepared rank kernel on ``stream`` (None: the current stream of the arrays' kind)."""
+    _kernels.launch(prepared, adapter.current_stream(prepared.device) if stream is None else stream)
 
 
-def merge_on_host(xp: Any, v: Any, s: Any, lse_base_2: int) -> tuple[Any, Any]:
+def merge_on_host(v: Any, s: Any, lse_base_2: int, sinks: Any = None) -> tuple[Any, Any]:
     """The N-way merge in torch operations, where the kernels do not run (gloo's CPU tensors).
 
-    ``v`` ``[states, T, H, D]``, ``s`` ``[states, H, T]``; the kernels' rules for empty and NaN rows.
+    ``v`` ``[states, T, H, D]``, ``s`` ``[states, H, T]``; the kernels' rules for empty, NaN and sink rows.
     """
-    torch = xp.t
+    import torch
+
     to_natural = math.log(2.0) if lse_base_2 else 1.0
     s = torch.where(s == math.inf, -math.inf, s) * to_natural
-    lse_max = torch.where(torch.isnan(s), math.inf, s).amax(0)  # a NaN makes its row NaN
-    weight = torch.where(lse_max == -math.inf, 0.0, torch.exp(s - lse_max))  # [states, H, T]
+    if sinks is not None:  # a state of value 0 and LSE sink
+        s = torch.cat([s, sinks.float().reshape(1, -1, 1).expand(1, *s.shape[1:])])
+        v = torch.cat([v, torch.zeros_like(v[:1])])
+    any_nan = torch.isnan(s).any(0)
+    takes_all = torch.isposinf(s).any(0)  # only a sink can be +inf here
+    lse_max = torch.where(torch.isnan(s), -math.inf, s).amax(0)
+    empty = lse_max == -math.inf
+    base = torch.where(empty | takes_all, 0.0, lse_max)
+    weight = torch.where(empty, 0.0, torch.exp(s - base))  # [states, H, T]
+    weight = torch.where(takes_all, torch.isposinf(s).to(weight.dtype), weight)
     total = weight.sum(0)
     row_weight = weight.transpose(-2, -1)[..., None]  # [states, T, H, 1]
     weighted = torch.where(row_weight == 0.0, 0.0, row_weight * v.float()).sum(0)
     row_total = total.T[..., None]
     values = torch.where(row_total == 0.0, 0.0, weighted / row_total)
-    merged_lse = torch.where(lse_max == -math.inf, -math.inf, lse_max + torch.log(total)) / to_natural
+    values = torch.where(any_nan.T[..., None], math.nan, values)
+    merged_lse = torch.where(empty, -math.inf, lse_max + torch.log(total)) / to_natural
+    merged_lse = torch.where(takes_all, math.inf, merged_lse)
+    merged_lse = torch.where(any_nan, math.nan, merged_lse)
     return values.to(v.dtype), merged_lse
+
+
+def aligned(view: ArrayView) -> bool:
+    """Whether ``view`` starts on 16 bytes (what a summed-in-place output needs to be written by packs)."""
+    return alignment(view.ptr) >= 16

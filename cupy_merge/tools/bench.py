@@ -283,7 +283,7 @@ MANY_COLUMNS = [
 
 
 _QUANTISE = r"""
-#include "numerics.cuh"
+#include "fp8.cuh"
 using namespace cupy_merge;
 extern "C" __global__ void quantise(const bfloat16_t* in, fp8_e4m3_t* out, const float* scale, long long packs) {
   const long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;

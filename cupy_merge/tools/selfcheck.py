@@ -8,6 +8,7 @@ import cupy
 import numpy
 
 from .. import _arrays, _catalogue, _kernels, merge_state, merge_states, reference
+from . import environment
 from .timing import median_ms
 
 # (tokens, heads, head_size, dtype): decode, chunked prefill, long prefill.
@@ -20,35 +21,12 @@ SELF_CHECK_CASES = [
 MANY_STATES_CASES = [(16, 64, 32, 128, "bfloat16"), (4, 4096, 32, 128, "float16")]
 
 
-def environment() -> list[str]:
-    """Versions, devices and configuration, one fact a line; loads nothing but CuPy and NVRTC."""
-    from .. import __version__, _plan
-
-    lines = [f"cupy-merge {__version__}, cupy {cupy.__version__}, numpy {numpy.__version__}"]
-    try:
-        lines.append("NVRTC {}.{}".format(*_kernels.nvrtc_version()))
-    except RuntimeError as error:
-        lines.append(str(error))
-    if cupy.cuda.is_available():
-        lines.append(
-            f"CUDA driver {cupy.cuda.runtime.driverGetVersion()}, runtime {cupy.cuda.runtime.runtimeGetVersion()}"
-        )
-        for device in range(cupy.cuda.runtime.getDeviceCount()):
-            props = cupy.cuda.runtime.getDeviceProperties(device)
-            lines.append(f"device {device}: {props['name'].decode()} (sm_{props['major']}{props['minor']})")
-    else:
-        lines.append("no CUDA device found")
-    lines.append(
-        f"kernels compiled with {' '.join(_catalogue.COMPILE_OPTIONS)}; packed kernels {'on' if _plan.PACKED_KERNELS else 'off'}"
-    )
-    lines.append(f"NVRTC output without a GPU is kept in {_kernels.cache_folder()} (CUPY_MERGE_CACHE_DIR)")
-    return lines
-
-
-def compile_ahead(arch: str, modules: list[_catalogue.Module]) -> str:
-    """Compile ``modules`` for ``sm_<arch>`` with NVRTC alone (cached on disk); a line saying so."""
+def compile_ahead(arch: str, modules: list[_catalogue.Module] | None = None) -> str:
+    """Compile ``modules`` (default: all) for ``sm_<arch>`` with NVRTC alone, into the disk cache
+    a GPU of that architecture loads without NVRTC; a line saying so."""
     started = time.perf_counter()
-    count = len(_kernels.compile_offline(arch, modules))
+    modules = _catalogue.every_module() if modules is None else modules
+    count = _kernels.compile_ahead(_kernels.Target(arch), modules)
     return f"{count} kernel instantiations for sm_{arch} ready in {time.perf_counter() - started:.2f} s"
 
 
@@ -127,7 +105,7 @@ def run() -> int:
     Without a GPU it compiles every same-dtype kernel for sm_90 with NVRTC (cached on
     disk, so a second run is fast), says there is nothing to run, and succeeds.
     """
-    print("\n".join(environment()))
+    print("\n".join(environment.lines()))
     modules = _catalogue.same_dtype_modules()
     if not cupy.cuda.is_available():
         print(compile_ahead("90", modules))

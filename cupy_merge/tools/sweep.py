@@ -1,10 +1,10 @@
 """``python -m cupy_merge.tools.sweep``: kernel variants side by side, checked, one table per family.
 
-Each variant is a setting of the planner's constants (``cupy_merge._plan``), or of
-the kernels' compile options and ``MERGE_CHUNK`` (``cupy_merge._catalogue``, which
-recompiles); the sweep sets it, forgets every prepared call, merges each case once to check it
-against the strided kernels' result, then times it (CUDA events, median, L2
-flushed) next to a same-bytes copy. Cells are % of the copy's speed; the last
+Each variant is a :class:`~cupy_merge._tuning.Tuning` (some fields of the
+default changed: block sizes, family switches, the chunk the kernels are
+compiled with); the sweep merges each case under it (``_tuning.use``: its plans
+and modules are cached apart) once to check it against the strided kernels'
+result, then times it (CUDA events, median, L2 flushed) next to a same-bytes copy. Cells are % of the copy's speed; the last
 column is the largest relative error of any variant against the strided kernels.
 Used for docs/PERF.md: each sweep's prediction and result are recorded there.
 """
@@ -17,7 +17,7 @@ import sys
 import cupy
 import numpy
 
-from .. import _catalogue, _dispatch, _kernels, _plan, merge_state, merge_states, merge_states_varlen
+from .. import _tuning, merge_state, merge_states, merge_states_varlen
 from .timing import median_ms
 
 TWO_CASES = [
@@ -27,12 +27,13 @@ TWO_CASES = [
     (4096, 32, 128, "float16"), (4096, 32, 128, "float32"), (613, 16, 96, "bfloat16"),
 ]  # fmt: skip
 TWO_VARIANTS = {
-    "strided": {"PACKED_KERNELS": False},
+    "strided": {"packed_kernels": False},
     "packed": {},
-    "t256": {"PACKED_TWO_THREADS": 256},
-    "t64": {"PACKED_TWO_THREADS": 64},
-    "cs-loads": {"PACKED_STREAMING_BELOW": 2**62},
-    "plain-loads": {"PACKED_STREAMING_BELOW": 0},
+    "t256": {"packed_two_threads": 256},
+    "t64": {"packed_two_threads": 64},
+    "cs-loads": {"packed_streaming_below": 2**62},
+    "plain-loads": {"packed_streaming_below": 0},
+    "no-pdl": {"programmatic_launch": False},
 }
 #: (states, tokens, heads, head_size); states < 0: ragged with 0..-2*states states a token.
 MANY_CASES = [
@@ -41,12 +42,18 @@ MANY_CASES = [
     (-16, 512, 32, 128), (-8, 4096, 32, 128),
 ]  # fmt: skip
 MANY_VARIANTS = {
-    "strided": {"PACKED_KERNELS": False},
+    "strided": {"packed_kernels": False},
     "packed": {},
-    "head-blocks": {"PACKED_MANY_THREADS": 64, "MIN_ROW_THREADS": 16},
-    "chunk8": {"MERGE_CHUNK": 8, "COMPILE_OPTIONS": ("-std=c++17", "-DMERGE_CHUNK=8")},
-    "busy2x": {"BUSY_THREADS": 2 * _plan.BUSY_THREADS},  # twice the splits where rows are few
+    "head-blocks": {"packed_many_threads": 64, "min_row_threads": 16},
+    "chunk8": {"merge_chunk": 8},
+    "busy2x": {"busy_threads": 2 * _tuning.DEFAULT.busy_threads},  # twice the splits where rows are few
+    "no-pdl": {"programmatic_launch": False},
 }
+
+
+def tuning_of(settings: dict) -> _tuning.Tuning:
+    """A variant's tuning: the default with ``settings`` changed."""
+    return _tuning.DEFAULT.replace(**settings)
 
 
 def _dtype(name: str):
@@ -61,40 +68,10 @@ def _copy_us(nbytes: int) -> float:
     return median_ms(lambda: dst.__setitem__(Ellipsis, src)) * 1e3
 
 
-class _Settings:
-    """Planner constants (or the compile options) set for a block, restored after; prepared
-    calls forgotten both ways, and compiled kernels too when the options change."""
-
-    def __init__(self, settings: dict):
-        self.settings = settings
-
-    @staticmethod
-    def _owner(name: str):
-        return _catalogue if name in ("COMPILE_OPTIONS", "MERGE_CHUNK") else _plan
-
-    def _forget(self):
-        _dispatch._calls.clear()
-        if "COMPILE_OPTIONS" in self.settings:
-            _kernels._modules.clear()
-            _kernels._functions.clear()
-
-    def __enter__(self):
-        self.saved = {name: getattr(self._owner(name), name) for name in self.settings}
-        for name, value in self.settings.items():
-            setattr(self._owner(name), name, value)
-        self._forget()
-
-    def __exit__(self, *exc):
-        for name, value in self.saved.items():
-            setattr(self._owner(name), name, value)
-        self._forget()
-        return False
-
-
 def _row(label: str, nbytes: int, run, variants: dict, rng_check=True) -> tuple[str, list[float], float]:
     results, cells = {}, []
     for name, settings in variants.items():
-        with _Settings(settings):
+        with _tuning.use(tuning_of(settings)):
             value = run()
             results[name] = [cupy.asnumpy(x.astype(cupy.float32)) for x in value]
             cells.append(median_ms(run) * 1e3)

@@ -1,0 +1,180 @@
+// The gradient of a merge of attention states (two-way, N-way or ragged, with optional sinks).
+//
+// Forward (natural log): S = log(sum_i exp(s_i) [+ exp(z)]), V = sum_i w_i V_i, w_i = exp(s_i - S).
+// Given the gradients dV of V and dS of S:
+//   dV_i = w_i dV
+//   ds_i = w_i (<dV, V_i> - <dV, V> + dS)        (<.,.> over head_size; <dV, V> = sum_i w_i <dV, V_i>)
+//   dz   = w_z (dS - <dV, V>),  w_z = exp(z - S)  (summed over the tokens of the sink's head)
+// A state of weight zero gets zero gradients, never NaN, even when its values are NaN. A row
+// whose S is NaN (a NaN LSE or sink) gets NaN gradients; an empty row (S = -inf) zeros.
+// Base-2 LSEs (lse_base_2): s and S are converted to natural log on the way in, and ds to base 2
+// on the way out (ds_2 = w_i (ln 2 (<dV, V_i> - <dV, V>) + dS_2)); sinks are natural either way.
+//
+// Layout: states are numbered 0..count-1 within a row (a (token, head) pair). State 0 lives at
+// `v0` (strides v0_stride_token, v0_stride_head), states 1.. at `v1` + (i - 1) v_stride_state
+// (strides v1_*): a dense stack passes v1 = v0 + one state, a two-way merge its two arrays, a
+// ragged batch rows indptr[t] + i (token strides 0; the planner points v0/v1 at rows 0 and 1).
+// The same for the LSEs (s0, s1), the value gradients (gv0, gv1) and the LSE gradients (gs0, gs1).
+// Gradients of the values are written in TIn, of the LSEs in float32; dV is read in TOut (the
+// forward output's dtype), dS (grad_lse, may be null: 0) in float32.
+//
+// Launch: block (lanes, rows_y): `lanes` (a power of two <= 32) threads share a row, striding
+// over its packs; rows_y rows a block; a grid-stride loop over rows. ONE_PACK: every row is at
+// most `lanes` packs, so each thread holds its pack of dV in registers across the states.
+#include "conversions.cuh"
+#include "packs.cuh"
+#include "grid.cuh"
+
+#ifndef MERGE_CHUNK
+#define MERGE_CHUNK 4
+#endif
+
+namespace cupy_merge {
+
+// The sum of `x` over the `lanes` threads of a row (consecutive lanes of one warp, `mask` theirs:
+// rows of one warp may run their loops a different number of times, so only a row's own lanes meet).
+__device__ __forceinline__ float row_sum(float x, int lanes, unsigned mask) {
+  for (int offset = lanes / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(mask, x, offset, lanes);
+  return x;
+}
+
+template <typename T>
+__device__ __forceinline__ T* state_row(T* first, T* rest, long long i, long long stride_state,
+                                        long long token_first, long long token_rest, long long head_first,
+                                        long long head_rest) {
+  return i == 0 ? first + token_first + head_first : rest + (i - 1) * stride_state + token_rest + head_rest;
+}
+
+template <typename TIn, typename TOut, int VEC, bool ONE_PACK, bool RAGGED, bool SINKS>
+__global__ void merge_states_backward(
+    TIn* gv0, TIn* gv1, float* gs0, float* gs1, float* grad_sinks,
+    const TIn* v0, const TIn* v1, const float* s0, const float* s1,
+    const TOut* grad_out, const float* grad_lse, const float* sinks,
+    const void* indptr, long long indptr_bytes, long long indptr_stride,
+    long long num_states, long long num_tokens, long long num_heads, long long head_size,
+    long long v0_stride_token, long long v0_stride_head, long long v1_stride_token, long long v1_stride_head,
+    long long v_stride_state,
+    long long gv0_stride_token, long long gv0_stride_head, long long gv1_stride_token, long long gv1_stride_head,
+    long long gv_stride_state,
+    long long s0_stride_head, long long s0_stride_token, long long s1_stride_head, long long s1_stride_token,
+    long long s_stride_state,
+    long long gs0_stride_head, long long gs0_stride_token, long long gs1_stride_head, long long gs1_stride_token,
+    long long gs_stride_state,
+    long long grad_out_stride_token, long long grad_out_stride_head,
+    long long grad_lse_stride_head, long long grad_lse_stride_token,
+    long long sinks_stride, long long lanes, long long lse_base_2) {
+  using InPack = Pack<TIn, VEC>;
+  using OutPack = Pack<TOut, VEC>;
+  launch_dependents();
+  const int lane = threadIdx.x;
+  const long long packs = head_size / VEC;
+  const float to_natural = lse_to_natural(lse_base_2);
+  const float ln2_if_base_2 = lse_base_2 ? kLn2 : 1.0f;
+  const long long rows = num_tokens * num_heads;
+  const unsigned row_mask =
+      lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u) << ((threadIdx.y * static_cast<unsigned>(lanes)) & 31u);
+  wait_for_inputs();
+  for (long long row = static_cast<long long>(blockIdx.x) * blockDim.y + threadIdx.y; row < rows;
+       row += static_cast<long long>(gridDim.x) * blockDim.y) {
+    const long long token = row / num_heads, head = row - token * num_heads;
+    long long first = 0, count = num_states;
+    bool bad = false;
+    if constexpr (RAGGED) {
+      long long begin, end;
+      if (indptr_bytes == 8) {
+        begin = static_cast<const long long*>(indptr)[token * indptr_stride];
+        end = static_cast<const long long*>(indptr)[(token + 1) * indptr_stride];
+      } else {
+        begin = static_cast<const int*>(indptr)[token * indptr_stride];
+        end = static_cast<const int*>(indptr)[(token + 1) * indptr_stride];
+      }
+      bad = begin < 0 || end < begin || end > num_states;
+      first = bad ? 0 : begin;
+      count = bad ? 0 : end - begin;
+    }
+    // Rows of the token's states: in a ragged batch the token's own offset moves into the state index.
+    const long long t0 = RAGGED ? 0 : token;
+    auto lse_of = [&](long long i) {
+      const long long r = first + i;
+      return empty_if_inf(*state_row(s0, s1, r, s_stride_state, t0 * s0_stride_token, t0 * s1_stride_token,
+                                     head * s0_stride_head, head * s1_stride_head)) * to_natural;
+    };
+    // S from the LSEs (every lane reads the same words: one transaction each).
+    const float sink = sink_logit<SINKS>(sinks, static_cast<int>(sinks_stride), head);
+    float top = sink == positive_infinity() ? negative_infinity() : sink;
+    bool broken = bad || is_nan(sink);
+    for (long long i = 0; i < count; ++i) {
+      const float s = lse_of(i);
+      broken |= is_nan(s);
+      top = fmaxf(top, s);
+    }
+    float total = 0.0f;
+    if (top != negative_infinity()) {
+      for (long long i = 0; i < count; ++i) total += exp_weight(lse_of(i) - top);
+      if constexpr (SINKS) total += exp_weight(sink - top);
+    }
+    const float S = sink == positive_infinity() ? positive_infinity()
+                    : top == negative_infinity() ? negative_infinity()
+                                                 : top + __logf(total);
+    const float dS = grad_lse == nullptr ? 0.0f
+                                         : grad_lse[head * grad_lse_stride_head + token * grad_lse_stride_token] / ln2_if_base_2;
+    const OutPack* dV_row = grad_out == nullptr ? nullptr
+                            : reinterpret_cast<const OutPack*>(grad_out + token * grad_out_stride_token + head * grad_out_stride_head);
+    OutPack held = {};
+    if (ONE_PACK && dV_row != nullptr && lane < packs) held = dV_row[lane];
+    auto weight_of = [&](float s) {
+      return broken ? quiet_nan() : (S == negative_infinity() || S == positive_infinity()) ? 0.0f : exp_weight(s - S);
+    };
+    float dot_v = 0.0f;  // <dV, V>
+#pragma unroll 4
+    for (long long i = 0; i < count; ++i) {
+      const long long r = first + i;
+      const float w = weight_of(lse_of(i));
+      const InPack* vi = reinterpret_cast<const InPack*>(
+          state_row(v0, v1, r, v_stride_state, t0 * v0_stride_token, t0 * v1_stride_token, head * v0_stride_head,
+                    head * v1_stride_head));
+      InPack* gvi = reinterpret_cast<InPack*>(
+          state_row(gv0, gv1, r, gv_stride_state, t0 * gv0_stride_token, t0 * gv1_stride_token,
+                    head * gv0_stride_head, head * gv1_stride_head));
+      float partial = 0.0f;
+      for (long long p = lane; p < packs; p += lanes) {
+        const OutPack dv = ONE_PACK ? held : dV_row != nullptr ? dV_row[p] : OutPack{};
+        const InPack x = load_pack(vi + p);
+        InPack g;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float d = to_float(dv.v[k]);
+          partial = fmaf(d, to_float(x.v[k]), partial);
+          g.v[k] = from_float<TIn>(w == 0.0f ? 0.0f : w * d);
+        }
+        store_pack(gvi + p, g);
+      }
+      const float d_i = row_sum(partial, static_cast<int>(lanes), row_mask);
+      const float term = w == 0.0f ? 0.0f : w * d_i;  // a zero-weight state's NaN values add nothing
+      dot_v += term;
+      if (lane == 0) {
+        *state_row(gs0, gs1, r, gs_stride_state, t0 * gs0_stride_token, t0 * gs1_stride_token,
+                   head * gs0_stride_head, head * gs1_stride_head) = term;  // finished below
+      }
+    }
+    if (lane != 0) continue;
+    for (long long i = 0; i < count; ++i) {
+      const long long r = first + i;
+      float* gsi = state_row(gs0, gs1, r, gs_stride_state, t0 * gs0_stride_token, t0 * gs1_stride_token,
+                             head * gs0_stride_head, head * gs1_stride_head);
+      const float w = weight_of(lse_of(i));
+      const float natural = w == 0.0f ? 0.0f : *gsi + w * (dS - dot_v);
+      *gsi = broken ? quiet_nan() : natural * ln2_if_base_2;
+    }
+    if constexpr (SINKS) {
+      if (!bad) {
+        const float w_z = broken ? quiet_nan() : S == positive_infinity() ? 1.0f
+                          : S == negative_infinity() ? 0.0f : exp_weight(sink - S);
+        const float d_z = w_z == 0.0f ? 0.0f : w_z * (dS - dot_v);
+        atomicAdd(grad_sinks + head, d_z);
+      }
+    }
+  }
+}
+
+}  // namespace cupy_merge

@@ -1,0 +1,88 @@
+"""The kernels' tuning as one frozen value: family switches, block sizes, chunk and compile options.
+
+Every number here was chosen by a measurement on an H200 (docs/PERF.md names
+each). The planner reads them from the :class:`Tuning` it is given, the
+compiled modules carry its compile options, and every cache is keyed by it, so
+a sweep or a test runs another tuning with :func:`use` and leaves nothing of
+it behind::
+
+    with _tuning.use(_tuning.DEFAULT.replace(packed_kernels=False)):
+        cm.merge_state(...)   # planned on the strided kernels, cached apart
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+from collections.abc import Iterator
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Launch and compile choices. The defaults are the measured best (docs/PERF.md)."""
+
+    #: Plan the lean packed kernels where the layout allows (False: the strided kernels for everything).
+    packed_kernels: bool = True
+    #: Strided kernels: 64-thread blocks beat 128-1024; two rows a thread 8-12 points of copy speed
+    #: above one, and one below 32 MB of traffic 0.03-0.45 us faster (sweep 10).
+    strided_threads: int = 64
+    strided_small_traffic: int = 32_000_000
+    #: Packed kernels (session 4 sweeps 1 and 2): 128-thread blocks measured 0-3 points of copy speed
+    #: above 256 and 512; loads with the .cs hint below 64 MB of traffic, plain loads from 64 MB.
+    packed_two_threads: int = 128
+    packed_many_threads: int = 128
+    packed_streaming_below: int = 64_000_000
+    #: N-way splits: when rows alone give fewer than busy_threads threads, a row's states are split
+    #: over up to max_splits thread groups of one block (sessions 3-8).
+    busy_threads: int = 128 * 1024
+    max_splits: int = 16
+    max_block_threads: int = 256
+    #: The packed N-way kernel's fewest threads across rows in a block.
+    min_row_threads: int = 32
+    #: States the N-way kernels load per memory round trip (MERGE_CHUNK): best among 2, 4 and 8 for
+    #: the strided kernel (session 3), among 2 and 4 for the packed one (session 4, sweep 1).
+    merge_chunk: int = 4
+    #: Programmatic dependent launch on sm_90 and newer: a merge's blocks start while the kernel
+    #: before it drains, and wait for its results before their first load.
+    programmatic_launch: bool = True
+
+    def __post_init__(self) -> None:
+        # Cache keys hash this value on every cold call: once is enough.
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
+    @property
+    def compile_options(self) -> tuple[str, ...]:
+        """The NVRTC options every module of this tuning is compiled with."""
+        return ("-std=c++17", f"-DMERGE_CHUNK={self.merge_chunk}")
+
+    def replace(self, **changes: object) -> Tuning:
+        """A copy with some fields changed, e.g. ``DEFAULT.replace(packed_kernels=False)``."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+#: The default tuning; ``CUPY_MERGE_PDL=0`` in the environment turns programmatic launch off.
+DEFAULT = Tuning(programmatic_launch=os.environ.get("CUPY_MERGE_PDL", "1") != "0")
+
+_current: contextvars.ContextVar[Tuning] = contextvars.ContextVar("cupy_merge_tuning", default=DEFAULT)
+
+
+def current() -> Tuning:
+    """The tuning merges on this thread (and task) plan with: :data:`DEFAULT` unless inside :func:`use`."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def use(tuning: Tuning) -> Iterator[Tuning]:
+    """Plan every merge inside the block with ``tuning``; restored on exit."""
+    if not isinstance(tuning, Tuning):
+        raise TypeError(f"tuning: expected a cupy_merge._tuning.Tuning, got {type(tuning).__name__}")
+    token = _current.set(tuning)
+    try:
+        yield tuning
+    finally:
+        _current.reset(token)
