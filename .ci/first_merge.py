@@ -10,7 +10,7 @@ import time
 
 started = time.perf_counter()
 mode = sys.argv[1]
-import cupy  # noqa: E402
+import cupy
 
 if mode == "no-nvrtc":
 
@@ -19,9 +19,9 @@ if mode == "no-nvrtc":
 
     cupy.cuda.nvrtc.getVersion = _missing
     cupy.cuda.nvrtc.compileProgram = _missing
-import torch  # noqa: E402
+import torch
 
-import cupy_merge as cm  # noqa: E402
+import cupy_merge as cm
 
 imported = time.perf_counter()
 v_a, v_b = (torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))

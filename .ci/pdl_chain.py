@@ -51,13 +51,17 @@ def main():
             with _tuning.use(_tuning.DEFAULT.replace(programmatic_launch=pdl)):
                 merge = cm.bind(cm.merge_attn_states, out, v_a, s_a, v_b, s_b, out_lse)
                 merge_again = cm.bind(cm.merge_attn_states, out2, out, out_lse, v_b, s_b)
-            produce = lambda: torch.mul(x, 1.0001, out=v_a)  # noqa: E731
-            consume = lambda: torch.add(out, 1.0, out=y)  # noqa: E731
+            def produce(x=x, v_a=v_a):
+                torch.mul(x, 1.0001, out=v_a)
+
+            def consume(out=out, y=y):
+                torch.add(out, 1.0, out=y)
+
             alone = replay_us(graph_of([merge]))
             chain = replay_us(graph_of([produce, merge, consume]))
             base = replay_us(graph_of([produce, consume]))
             two = replay_us(graph_of([produce, merge, merge_again, consume]))
-            print(f"{tokens:>6} {str(pdl):>4} {alone:7.2f} {chain:7.2f} {base:8.2f} {chain - base:7.2f} {two:9.2f} {two - chain:8.2f}")
+            print(f"{tokens:>6} {pdl!s:>4} {alone:7.2f} {chain:7.2f} {base:8.2f} {chain - base:7.2f} {two:9.2f} {two - chain:8.2f}")
 
 
 if __name__ == "__main__":

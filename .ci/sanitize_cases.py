@@ -84,6 +84,42 @@ cm.merge_state_in_place(v, s_v, w, s_w)
 check("two-way in place", v, want_v, 1e-3)
 check("two-way in place LSE", s_v, want_s, 1e-5)
 
+# Sinks, on the packed and the strided kernels, two-way and N-way.
+sinks = cupy.asarray(rng.standard_normal(8).astype(numpy.float32))
+for packed in (True, False):
+    with _tuning.use(_tuning.DEFAULT.replace(packed_kernels=packed)):
+        v, s = random_states(5, 17, 8, 96, lse_shape=(5, 8, 17))
+        got, _ = cm.merge_states(cupy.asarray(v), cupy.asarray(s), sinks=sinks)
+        check(f"sinks N-way packed={packed}", got, reference.merge_states(v, s, sinks=sinks.get())[0], 1e-5)
+        got, _ = cm.merge_state(cupy.asarray(v[0]), cupy.asarray(s[0]), cupy.asarray(v[1]), cupy.asarray(s[1]),
+                                sinks=sinks)  # fmt: skip
+        want = reference.merge_state(v[0], s[0], v[1], s[1], sinks=sinks.get())[0]
+        check(f"sinks two-way packed={packed}", got, want, 1e-5)
+
+# Gradients: dense, two-way and ragged.
+v, s = random_states(6, 9, 8, 64, lse_shape=(6, 8, 9))
+grad = rng.standard_normal((9, 8, 64)).astype(numpy.float32)
+got = cm.merge_states_backward(cupy.asarray(v), cupy.asarray(s), cupy.asarray(grad), sinks=sinks)
+want = reference.merge_states_backward(v, s, grad, sinks=sinks.get())
+check("backward N-way", got[0], want[0], 1e-5)
+check("backward N-way sinks", got[2], want[2], 1e-5)
+got = cm.merge_state_backward(*(cupy.asarray(x) for x in (v[0], s[0], v[1], s[1], grad)))
+check("backward two-way", got[2], reference.merge_state_backward(v[0], s[0], v[1], s[1], grad)[2], 1e-5)
+indptr = numpy.array([0, 3, 3, 10, 20], dtype=numpy.int32)
+rows, rows_s = random_states(22, 8, 64, lse_shape=(8, 22))
+grad = rng.standard_normal((4, 8, 64)).astype(numpy.float32)
+got = cm.merge_states_varlen_backward(cupy.asarray(rows), cupy.asarray(rows_s), cupy.asarray(indptr), cupy.asarray(grad))
+check("backward ragged", got[0], reference.merge_states_varlen_backward(rows, rows_s, indptr, grad)[0], 1e-5)
+
+# FP8 group scales with the LSE written in place over rows longer than a block: two launches.
+v_a, v_b = (cupy.asarray(rng.standard_normal((3, 2, 2048)).astype(numpy.float16)) for _ in range(2))
+s_a, s_b = (cupy.asarray(rng.standard_normal((2, 3)).astype(numpy.float32)) for _ in range(2))
+want_s = reference.merge_state(v_a.get(), s_a.get(), v_b.get(), s_b.get())[1]
+out = cupy.empty((3, 2, 2048), dtype=cupy.uint8)
+scales = cupy.empty((3, 2 * 2048), dtype=cupy.float32)
+cm.merge_attn_states(out, v_a, s_a, v_b, s_b, s_a, output_block_scale=scales, quant_group_size=1)
+check("group scales, LSE in place, long rows", s_a, want_s, 1e-5)
+
 cupy.cuda.Device().synchronize()
 print(f"{len(failures)} wrong: {failures}" if failures else "all correct")
 sys.exit(1 if failures else 0)

@@ -8,22 +8,41 @@
 >>> merge()  # relaunch on the same arrays: the cheapest call   # doctest: +SKIP
 """
 
+import os as _os
+import sys as _sys
+
+from ._version import __version__
+
+#: What to install when CuPy is missing, in one line.
+CUPY_HINT = "cupy_merge needs CuPy: pip install 'cupy-merge[cu12]' (CUDA 12) or 'cupy-merge[cu13]' (CUDA 13)"
+
 try:
     import cupy  # noqa: F401
 except ModuleNotFoundError as error:
     if error.name != "cupy":
         raise
-    raise ImportError(
-        "cupy_merge needs CuPy: pip install 'cupy-merge[cu12]' (CUDA 12) or 'cupy-merge[cu13]' (CUDA 13)"
-    ) from None
+    # The command line (python -m cupy_merge, cupy-merge) answers --help, --version and --info
+    # without CuPy and says what to install for the rest: only it may import the package then.
+    if not (_sys.argv[:1] == ["-m"] or _os.path.basename(_sys.argv[0] if _sys.argv else "") == "cupy-merge"):
+        raise ImportError(CUPY_HINT) from None
+    HAS_CUPY = False
+else:
+    HAS_CUPY = True
 
-from . import distributed, reference
-from ._kernels import KernelCompileError
-from .bound import BoundMerge, bind
-from .merge import merge_attn_states, merge_state, merge_state_in_place
-from .merge_many import merge_states, merge_states_varlen
-
-__version__ = "0.3.0"
+if HAS_CUPY:
+    # The framework integrations register their hooks with the dispatcher (importing no framework).
+    from . import (
+        distributed,
+        jax,  # noqa: F401
+        reference,
+        torch_ops,  # noqa: F401 - registers the torch integration's hooks
+        types,
+    )
+    from ._kernels import KernelCompileError
+    from .backward import merge_state_backward, merge_states_backward, merge_states_varlen_backward
+    from .bound import BoundMerge, bind
+    from .merge import merge_attn_states, merge_state, merge_state_in_place
+    from .merge_many import merge_states, merge_states_varlen
 
 __all__ = [
     "BoundMerge",
@@ -33,8 +52,12 @@ __all__ = [
     "distributed",
     "merge_attn_states",
     "merge_state",
+    "merge_state_backward",
     "merge_state_in_place",
     "merge_states",
+    "merge_states_backward",
     "merge_states_varlen",
+    "merge_states_varlen_backward",
     "reference",
+    "types",
 ]

@@ -121,7 +121,9 @@ def token_count(value: Any, name: str = "prefill_tokens_with_context") -> int | 
     if isinstance(value, bool) or not (isinstance(value, int) or type(value).__module__ == "numpy"):
         raise TypeError(f"{name}: expected None or an int, got {type(value).__name__}")
     try:
-        count = operator.index(value)
+        # A Python int as it is: under torch.compile it stays a symbolic size (operator.index would
+        # make it a constant, and every new value a recompile).
+        count = value if isinstance(value, int) else operator.index(value)
     except TypeError:
         raise TypeError(f"{name}: expected None or an int, got {type(value).__name__}") from None
     if count < 0:

@@ -126,7 +126,7 @@ class Call(NamedTuple):
     launches: tuple[_kernels.PreparedLaunch, ...]
     adapter: _arrays.Adapter  # results are handed back in its kind
     device: int
-    fresh: tuple[tuple[FreshOutput, tuple[tuple[int, int], ...]], ...]  # with (launch, slot) to patch
+    fresh: tuple[tuple[FreshOutput, tuple[tuple[int, int, int], ...]], ...]  # (launch, slot, byte offset) to patch
     indptr_rows: int | None
     grad: bool = False  # an input requires grad: run through autograd when grad mode is on
 
@@ -229,7 +229,8 @@ def prepare(operation: Operation, options: Options, operands: Operands, tuning: 
         _kernels.prepare(launch, device, addresses, tuning.programmatic_launch) for launch in planned.plan
     )
     fresh = tuple(
-        (output, tuple((index, slot) for index, launch in enumerate(planned.plan) for slot in launch.slots(output.field)))
+        (output, tuple((index, slot, offset) for index, launch in enumerate(planned.plan)
+                       for slot, field, offset in launch.pointers if field == output.field))
         for output in planned.fresh
     )  # fmt: skip
     grad = adapter is _arrays.TORCH and any(
@@ -400,8 +401,8 @@ def allocate(prepared: Call, stream: int | None) -> tuple[dict[str, Any], list[l
         array = adapter.empty(output.shape, output.dtype, device, stream, output.zeroed)
         outputs[output.field] = array
         pointer = adapter.pointer(array)
-        for index, slot in slots:
-            patches[index].append((slot, pointer))
+        for index, slot, offset in slots:  # a gradient's later states lie an offset into it
+            patches[index].append((slot, pointer + offset))
     return outputs, patches
 
 

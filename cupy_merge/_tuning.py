@@ -45,8 +45,11 @@ class Tuning:
     #: the strided kernel (session 3), among 2 and 4 for the packed one (session 4, sweep 1).
     merge_chunk: int = 4
     #: Programmatic dependent launch on sm_90 and newer: a merge's blocks start while the kernel
-    #: before it drains, and wait for its results before their first load.
-    programmatic_launch: bool = True
+    #: before it drains, and wait for its results before their first load. Off by default: in a
+    #: CUDA-graph chain (producer, merge, consumer) it saved nothing measurable (within +-1 us at
+    #: 1-512 tokens) and its launch through cuLaunchKernelEx costs ~1.6 us more host time a call
+    #: (docs/PERF.md, session 9).
+    programmatic_launch: bool = False
 
     def __post_init__(self) -> None:
         # Cache keys hash this value on every cold call: once is enough.
@@ -65,8 +68,8 @@ class Tuning:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
-#: The default tuning; ``CUPY_MERGE_PDL=0`` in the environment turns programmatic launch off.
-DEFAULT = Tuning(programmatic_launch=os.environ.get("CUPY_MERGE_PDL", "1") != "0")
+#: The default tuning; ``CUPY_MERGE_PDL=1`` in the environment turns programmatic launch on.
+DEFAULT = Tuning(programmatic_launch=os.environ.get("CUPY_MERGE_PDL", "0") == "1")
 
 _current: contextvars.ContextVar[Tuning] = contextvars.ContextVar("cupy_merge_tuning", default=DEFAULT)
 

@@ -177,8 +177,12 @@ def merge_states_varlen_backward(
 
     Returns
     -------
-    grad_states_v, grad_states_s, grad_sinks : DeviceArray
-        As for :func:`merge_states_backward`, of ``v``'s and ``s``'s shapes.
+    grad_states_v : DeviceArray
+        Like ``v``, C-contiguous; zeros for rows no token owns.
+    grad_states_s : DeviceArray
+        Like ``s``, float32.
+    grad_sinks : DeviceArray or None
+        Float32 ``[num_heads]`` with sinks, else None.
 
     Examples
     --------

@@ -111,7 +111,7 @@ def merge_attn_states(
         Elements per group scale, a divisor of ``head_size`` (128 is common);
         required with ``output_block_scale``.
     quant_scale_ue8m0 : bool
-        vLLM's name for ``scale_ue8m0``, in its position.
+        The name vLLM gives ``scale_ue8m0``, in vLLM's position.
     scale_ue8m0 : bool
         Round each group scale up to a power of two (UE8M0, as DeepGEMM reads them).
     sinks : DeviceArray, optional

@@ -266,8 +266,7 @@ def merge_state_backward(
     sinks: ArrayLike | None = None,
     lse_base: str | int = "e",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """The gradients of :func:`merge_state` in float64: ``(grad_v_a, grad_s_a, grad_v_b, grad_s_b,
-    grad_sinks)`` (see :func:`merge_states_backward`).
+    """The gradients of :func:`merge_state` in float64 (see :func:`merge_states_backward`).
 
     Parameters
     ----------

@@ -301,3 +301,32 @@ def run_cupy_graph_rank(rank: int, world: int, uid, queue) -> None:
     except Exception:  # noqa: BLE001
         failures.append(traceback.format_exc())
     queue.put((rank, failures))
+
+
+def run_sinks_rank(rank: int, world: int, init_method: str, queue) -> None:
+    """Every strategy with attention sinks: counted once over all ranks (not once per rank)."""
+    failures = []
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import cupy_merge.distributed as cmd
+
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+        (part_v, part_s), states, _ = _shard_states(rank, world, 4321)
+        sinks = np.random.default_rng(7).standard_normal(HEADS) * 2  # the same on every rank
+        exact_v, exact_s = reference.merge_states(
+            np.stack([x[0] for x in states]), np.stack([x[1] for x in states]), sinks=sinks
+        )
+        tv = torch.tensor(part_v, dtype=torch.float32)
+        ts = torch.tensor(part_s, dtype=torch.float32)
+        tz = torch.tensor(sinks, dtype=torch.float32)
+        for shard_heads, op in MODES:
+            heads = slice(rank * HEADS // world, (rank + 1) * HEADS // world) if shard_heads else slice(None)
+            got_v, got_s = cmd.merge_across_ranks(tv, ts, op=op, shard_heads=shard_heads, sinks=tz)
+            _compare(got_v.double().numpy(), got_s.double().numpy(), exact_v[:, heads], exact_s[heads], 1e-5,
+                     f"sinks {op} shard={shard_heads}", failures)  # fmt: skip
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        failures.append(traceback.format_exc())
+    queue.put((rank, failures))

@@ -110,3 +110,21 @@ def test_tensors_on_other_accelerators_are_refused():
 
     with pytest.raises(TypeError, match=r"^v_a: expected a torch tensor on a CUDA device, got one on xpu:0"):
         _arrays.TorchAdapter().describe(_Proxy(torch.zeros(2), Xpu()), "v_a")
+
+
+@pytest.mark.parametrize(
+    "ptr, align",
+    [(0, 16), (1, 1), (2, 2), (6, 2), (12, 4), (8, 8), (24, 8), (16, 16), (48, 16), (1 << 40, 16)],
+)
+def test_a_views_spec_keeps_its_facts_and_only_the_alignment_class_of_its_address(ptr, align):
+    view = _arrays.ArrayView(ptr, (2, 3, 8), (24, 8, 1), "float16", 2, 1)
+    spec = view.spec
+    assert spec == _arrays.ArraySpec((2, 3, 8), (24, 8, 1), "float16", 2, 1, align)
+    assert _arrays.alignment(ptr) == align  # 0 is an address not yet known: fresh outputs are aligned
+    assert view._replace(ptr=ptr + 1024).spec == spec  # another address of the same class
+
+
+def test_a_fresh_output_is_specified_c_contiguous_and_fully_aligned():
+    spec = _arrays.contiguous_spec((4, 3, 8), "bfloat16", 2, 0)
+    assert spec == _arrays.ArraySpec((4, 3, 8), (24, 8, 1), "bfloat16", 2, 0, 16)
+    assert _arrays.contiguous_spec((5, 3), "float32", 4, 1).strides == (3, 1)

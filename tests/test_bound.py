@@ -13,6 +13,16 @@ def test_bind_takes_only_this_librarys_merges():
         cm.bind(print, 1, 2)
 
 
+def test_every_merge_declares_its_binder():
+    from cupy_merge import bound
+    from cupy_merge.distributed import merge_across_ranks
+
+    for merge in (cm.merge_attn_states, cm.merge_state, cm.merge_state_in_place, cm.merge_states,
+                  cm.merge_states_varlen, merge_across_ranks):  # fmt: skip
+        assert callable(getattr(merge, bound.BINDER, None)), merge
+    assert bound.BINDER == "__cupy_merge_bind__"
+
+
 def test_bind_refuses_a_stream_which_belongs_to_each_launch():
     with pytest.raises(TypeError, match=r"^stream: pass it to each launch"):
         cm.bind(cm.merge_attn_states, None, None, None, None, None, stream=0)
@@ -28,7 +38,7 @@ class _Adapter(_arrays.Adapter):
 @pytest.fixture
 def prepared_without_a_gpu(monkeypatch):
     """merge calls prepare nothing real: the call it gets has no launch; nothing may run."""
-    monkeypatch.setattr(_dispatch, "prepare", lambda *args: _dispatch.Call(None, _Adapter(), 0, (), None))
+    monkeypatch.setattr(_dispatch, "prepare", lambda *args: _dispatch.Call((), _Adapter(), 0, (), None))
     monkeypatch.setattr(_dispatch, "run", lambda *args: pytest.fail("ran the merge"))
     monkeypatch.setattr(_kernels, "launch", lambda *args: pytest.fail("launched"))
 

@@ -35,28 +35,56 @@ def test_a_malformed_architecture_exits_with_status_2():
 
 def test_info_prints_the_environment_and_compiles_nothing(monkeypatch, capsys):
     from cupy_merge import _kernels
+    from cupy_merge.tools import environment
 
-    monkeypatch.setattr(_kernels, "compile_offline", lambda *args, **kwargs: pytest.fail("compiled"))
-    monkeypatch.setattr(_kernels, "compile_modules", lambda *args, **kwargs: pytest.fail("compiled"))
+    for name in ("compile_module", "compile_ahead", "compile_modules"):
+        monkeypatch.setattr(_kernels, name, lambda *args, **kwargs: pytest.fail("compiled"))
     assert cli.main(["--info"]) == 0
     out = capsys.readouterr().out
     assert (
-        out.startswith(f"cupy-merge {__version__}, cupy ")
+        out.startswith(f"cupy-merge {__version__}, Python ")
         and "NVRTC" in out
         and "CUPY_MERGE_CACHE_DIR" in out
     )
+    assert out.splitlines() == environment.lines()
 
 
 def test_arch_compiles_every_module_for_that_architecture(monkeypatch, capsys):
     from cupy_merge import _catalogue, _kernels
 
     calls = []
+    monkeypatch.setattr(_kernels, "supported_architectures", lambda: (75, 80, 89, 90))
     monkeypatch.setattr(
-        _kernels, "compile_offline", lambda arch, modules: calls.append((arch, modules)) or {"k": "k"}
+        _kernels, "compile_ahead", lambda target, modules, **kwargs: calls.append((target, modules)) or 1234
     )
     assert cli.main(["--arch", "sm_89"]) == 0
-    assert calls == [("89", _catalogue.all_modules())]
-    assert "for sm_89 ready" in capsys.readouterr().out
+    assert calls == [(_kernels.Target("89"), _catalogue.every_module())]  # with sinks and without
+    assert "1234 kernel instantiations for sm_89 ready" in capsys.readouterr().out
+
+
+def test_an_architecture_this_nvrtc_does_not_know_is_a_usage_error_listing_those_it_does(monkeypatch, capsys):
+    from cupy_merge import _kernels
+
+    monkeypatch.setattr(_kernels, "supported_architectures", lambda: (75, 80, 90))
+    monkeypatch.setattr(_kernels, "compile_ahead", lambda *args, **kwargs: pytest.fail("compiled"))
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--arch", "89"])
+    assert exited.value.code == 2
+    assert "--arch: this NVRTC compiles for sm_75, sm_80, sm_90; got sm_89" in capsys.readouterr().err
+
+
+def test_a_missing_nvrtc_is_said_in_one_line_with_status_1(monkeypatch, capsys):
+    from cupy_merge import _kernels
+
+    def missing():
+        raise _kernels.NvrtcMissing(_kernels.NVRTC_HINT)
+
+    monkeypatch.setattr(_kernels, "supported_architectures", missing)
+    assert cli.main(["--arch", "90"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("python -m cupy_merge: NVRTC (libnvrtc) could not be loaded") and err.count("\n") == 1
+    )
 
 
 def test_without_cupy_the_import_error_says_which_extra_to_install():
@@ -68,6 +96,21 @@ def test_without_cupy_the_import_error_says_which_extra_to_install():
     assert result.stderr.strip().splitlines()[-1] == (
         "ImportError: cupy_merge needs CuPy: pip install 'cupy-merge[cu12]' (CUDA 12) or 'cupy-merge[cu13]' (CUDA 13)"
     )
+
+
+def test_without_cupy_the_command_line_still_answers_info():
+    # python -m cupy_merge imports the package with sys.argv[0] == "-m": the command line's path.
+    code = (
+        "import runpy, sys; sys.modules['cupy'] = None; sys.argv = ['-m', '--info']; "
+        "runpy.run_module('cupy_merge', run_name='__main__', alter_sys=True)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"cupy-merge {__version__}, Python ")
+    assert "CuPy is not installed: pip install 'cupy-merge[cu12]'" in result.stdout
 
 
 def test_the_benchmark_names_its_own_command_in_its_usage():

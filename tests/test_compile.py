@@ -7,18 +7,44 @@ import re
 import pytest
 
 from cupy_merge import _catalogue as cat
-from cupy_merge import _kernels
+from cupy_merge import _kernels, _tuning
+
+SM_90 = _kernels.Target("90")
+
+
+def _every_module():
+    """The modules compiled here: every instantiation of every kernel family, template and output
+    dtype, with and without sinks, for bfloat16 inputs; and each same-dtype pair without sinks (the GPU runs
+    compile every module with ``python -m cupy_merge --arch``; on CI's two cores all 69 take minutes)."""
+    every = cat.every_module()
+    assert set(cat.all_modules()) < set(every) and set(cat.all_modules(sinks=True)) < set(every)
+    modules = [m for m in every if m.in_dtype == "bfloat16" or (m.in_dtype == m.out_dtype and not m.sinks)]
+    assert {m.source for m in modules} == {m.source for m in every} and any(m.sinks for m in modules)
+    return modules
 
 
 @pytest.fixture(scope="module")
-def lowered_names():
-    """One real compile of every module for sm_90 (the disk cache bypassed), shared by the tests."""
-    return _kernels.compile_offline("90", cache=False)
+def lowered_names(tmp_path_factory):
+    """One real compile of every module for sm_90 (into an empty cache folder: nothing compiled
+    before is found), in parallel as ``--arch`` compiles; shared by the tests."""
+    folder = tmp_path_factory.mktemp("kernel_cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUPY_MERGE_CACHE_DIR", str(folder))
+        modules = _every_module()
+        count = _kernels.compile_ahead(SM_90, modules, progress=False)
+        names = {}
+        for module in modules:
+            compiled = _kernels.cached(module, SM_90)
+            assert compiled is not None and not compiled.ptx, module
+            names.update(compiled.names)
+    assert count == sum(len(cat.module_instances(module)) for module in modules)
+    return names
 
 
 def test_every_kernel_instantiation_compiles_with_nvrtc(lowered_names):
-    expected = {name for module in cat.all_modules() for name in cat.module_instances(module)}
+    expected = {name for module in _every_module() for name in cat.module_instances(module)}
     assert set(lowered_names) == expected
+    assert any("true>" in name for name in expected)  # the sinks instantiations are among them
     assert all(name.startswith("_ZN10cupy_merge") for name in lowered_names.values())
 
 
@@ -26,7 +52,8 @@ def test_an_older_architecture_compiles_too():
     module = cat.Module(
         cat.TWO_STATES_SOURCE, "bfloat16", "bfloat16"
     )  # bfloat16 rounding differs before sm_80
-    assert len(_kernels.compile_offline("75", [module], cache=False)) == len(cat.module_instances(module))
+    compiled = _kernels.compile_module(module, _kernels.Target("75"), cache=False)
+    assert len(compiled.names) == len(cat.module_instances(module)) and compiled.binary
 
 
 def _signature(source: str, name: str) -> tuple[list[str], list[str]]:
@@ -60,43 +87,69 @@ def test_nvrtc_failure_raises_with_the_nvrtc_log(monkeypatch):
     broken = _kernels.kernel_source("merge_two_states.cu") + "\nthis is not C++;\n"
     monkeypatch.setattr(_kernels, "kernel_source", lambda name: broken)
     with pytest.raises(_kernels.KernelCompileError) as raised:
-        _kernels.compile_offline("90", [cat.Module(cat.TWO_STATES_SOURCE, "float16", "float16")], cache=False)
+        _kernels.compile_module(cat.Module(cat.TWO_STATES_SOURCE, "float16", "float16"), SM_90, cache=False)
     assert "error" in raised.value.log
     assert "merge_two_states.cu" in str(raised.value)
 
 
 def test_a_plan_is_packed_into_one_argument_block(monkeypatch):
-    from cupy_merge._plan import LaunchPlan
+    from cupy_merge._plan import KernelLaunch
 
     monkeypatch.setattr(
         _kernels, "get_function", lambda module, kernel, device: _kernels.Function(1234, 77, None)
     )
     module = cat.Module(cat.MANY_STATES_SOURCE, "float32", "float32")
-    plan = LaunchPlan(module, "k", (5, 1, 1), (16, 4, 2), (7, -3, 2**40), 96, 0, 1)
-    prepared = _kernels.prepare(plan, device=0)
+    # Parameters 1 and 3 are pointers: operand v at 16 bytes in, and out (not allocated yet).
+    plan = KernelLaunch(
+        module, "k", (5, 1, 1), (16, 4, 2), 96, (7, 0, 2**40, 0, -3), ((1, "v", 16), (3, "out", 0))
+    )
+    prepared = _kernels.prepare(plan, 0, {"v": 1 << 32, "s": 2 << 32})
     assert (prepared.function, prepared.context, prepared.grid, prepared.block, prepared.shared_bytes) == (
         1234, 77, (5, 1, 1), (16, 4, 2), 96,
     )  # fmt: skip
-    assert list(prepared.values) == [7, -3, 2**40]
+    assert list(prepared.values) == [7, (1 << 32) + 16, 2**40, 0, -3]  # out's slot stays null until patched
+    assert plan.args == (7, 0, 2**40, 0, -3)  # the plan itself holds no address
     pointers = prepared.keep_alive[0]
     assert prepared.params == pointers.__array_interface__["data"][0]
-    assert list(pointers) == [prepared.values.__array_interface__["data"][0] + 8 * i for i in range(3)]
+    assert list(pointers) == [prepared.values.__array_interface__["data"][0] + 8 * i for i in range(5)]
 
 
 def test_a_second_offline_compile_loads_the_first_from_the_disk_cache(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CUPY_MERGE_CACHE_DIR", str(tmp_path))
+    assert _kernels.cache_folder() == tmp_path
     module = cat.Module(cat.TWO_STATES_SOURCE, "float32", "float32")
+    assert _kernels.cached(module, SM_90) is None
     with caplog.at_level("INFO", logger="cupy_merge"):
-        first = _kernels.compile_offline("90", [module])
+        first = _kernels.compile_module(module, SM_90)
     assert any("compiled merge_two_states.cu" in record.getMessage() for record in caplog.records)
-    assert len(list(tmp_path.glob("*.cubin"))) == 1 and len(list(tmp_path.glob("*.json"))) == 1
+    assert len(list(tmp_path.glob("*.bin"))) == 1 and len(list(tmp_path.glob("*.json"))) == 1
+    (names_file,) = tmp_path.glob("*.json")
+    assert names_file.with_suffix(".bin").read_bytes() == first.binary
 
     from cupy.cuda import nvrtc
 
     monkeypatch.setattr(nvrtc, "compileProgram", lambda *args: pytest.fail("compiled again"))
-    assert _kernels.compile_offline("90", [module]) == first
+    assert _kernels.compile_module(module, SM_90) == first
+    assert _kernels.cached(module, SM_90) == first
+    # Ahead-of-time compiles take the same path: nothing left to compile, every kernel counted.
+    assert _kernels.compile_ahead(SM_90, [module], progress=False) == len(cat.module_instances(module))
     with pytest.raises(BaseException, match="compiled again"):  # another architecture is another entry
-        _kernels.compile_offline("80", [module])
+        _kernels.compile_module(module, _kernels.Target("80"))
+    with pytest.raises(BaseException, match="compiled again"):  # as are other compile options
+        _kernels.compile_module(
+            module._replace(options=_tuning.DEFAULT.replace(merge_chunk=8).compile_options), SM_90
+        )
+
+
+def test_a_cached_binary_cut_short_is_compiled_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUPY_MERGE_CACHE_DIR", str(tmp_path))
+    module = cat.Module(cat.TWO_STATES_SOURCE, "float16", "float16")
+    first = _kernels.compile_module(module, SM_90)
+    (binary,) = tmp_path.glob("*.bin")
+    binary.write_bytes(first.binary[: len(first.binary) // 2])  # a process that died half way
+    assert _kernels.cached(module, SM_90) is None
+    again = _kernels.compile_module(module, SM_90)
+    assert again.names == first.names and _kernels.cached(module, SM_90) == again  # kept whole this time
 
 
 def test_a_missing_nvrtc_is_reported_in_one_line_naming_the_extras(monkeypatch):
@@ -106,5 +159,13 @@ def test_a_missing_nvrtc_is_reported_in_one_line_naming_the_extras(monkeypatch):
         raise OSError("libnvrtc.so.12: cannot open shared object file")
 
     monkeypatch.setattr(nvrtc, "getVersion", missing)
-    with pytest.raises(RuntimeError, match=r"^NVRTC \(libnvrtc\) could not be loaded: .*cupy-merge\[cu12\]"):
-        _kernels.compile_offline("90", cache=False)
+    for attempt in (
+        _kernels.nvrtc_version,
+        _kernels.supported_architectures,
+        lambda: _kernels.compile_module(cat.all_modules()[0], SM_90, cache=False),
+    ):
+        with pytest.raises(
+            _kernels.NvrtcMissing, match=r"^NVRTC \(libnvrtc\) could not be loaded: .*cupy-merge\[cu12\]"
+        ) as raised:
+            attempt()
+        assert isinstance(raised.value, RuntimeError) and "\n" not in str(raised.value)

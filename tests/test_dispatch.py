@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 import cupy_merge as cm
-from cupy_merge import _arrays, _checks, _dispatch, _kernels
+from cupy_merge import _arrays, _checks, _dispatch, _kernels, _tuning
+from cupy_merge._operands import TwoStateOperands, TwoStateOptions
+from cupy_merge.merge import _MERGE_STATE
 
 
 def test_a_torch_tensor_is_fingerprinted_by_pointer_shape_strides_dtype_device_and_negation():
@@ -17,7 +19,11 @@ def test_a_torch_tensor_is_fingerprinted_by_pointer_shape_strides_dtype_device_a
     others = [base[1:], base.T, base.view(torch.bfloat16), base.reshape(8, 4), base.float(), base._neg_view()]
     for other in others:
         assert _arrays.fingerprints((other,)) != fingerprint
-    assert base.get_device() in fingerprint  # the device is part of it
+    # The device is known from the pointer (CUDA's unified addressing gives every device's memory
+    # addresses of its own); whether autograd must see the call is part of it too.
+    with_grad = base.view(4, 8).requires_grad_(True)
+    assert _arrays.fingerprints((with_grad,)) != fingerprint
+    assert fingerprint[0] == base.data_ptr()
     # Flat, so two arrays' parts can never be confused with one array's.
     assert _arrays.fingerprints((base, None)) != _arrays.fingerprints((None, base))
 
@@ -33,12 +39,19 @@ def test_arrays_without_a_fingerprint_make_the_call_uncacheable():
 def test_the_call_cache_is_bounded(monkeypatch):
     monkeypatch.setattr(_dispatch, "_MAX_CALLS", 3)
     monkeypatch.setattr(_dispatch, "_calls", {})
-    monkeypatch.setattr(_dispatch, "prepare", lambda *args: "prepared")
+    monkeypatch.setattr(_dispatch, "prepare", lambda *args: _dispatch.Call((), None, 0, (), None))
     monkeypatch.setattr(_dispatch, "run", lambda *args: None)
     monkeypatch.setattr(_arrays, "fingerprints", lambda arrays: arrays)
+    operation = _dispatch.Operation(
+        "f",
+        TwoStateOperands(*TwoStateOperands._fields),
+        _checks.two_state_options,
+        allocates=False,
+        returns=False,
+    )
     for key in range(5):
         _dispatch.call(
-            _dispatch.Operation("f", None, False, False, False, frozenset(), frozenset()), (), (key,), None
+            operation, TwoStateOptions(), TwoStateOperands(None, None, key, None, None, None), None
         )
     assert 1 <= len(_dispatch._calls) <= 3
 
@@ -50,9 +63,9 @@ def test_calls_of_different_functions_never_share_a_cached_launch(monkeypatch):
     keys = []
     real_call = _dispatch.call
 
-    def spy(operation, options, arrays, stream):
-        keys.append((operation.name, options, _arrays.fingerprints(arrays)))
-        return real_call(operation, options, arrays, stream)
+    def spy(operation, options, operands, stream):
+        keys.append((operation, options, _arrays.fingerprints(operands)))  # what the call cache is keyed by
+        return real_call(operation, options, operands, stream)
 
     monkeypatch.setattr(_dispatch, "call", spy)
     v, v_other = torch.zeros(2, 3, 2, 8)
@@ -102,6 +115,10 @@ def test_check_indptr_must_be_a_bool(monkeypatch):
         cm.merge_states_varlen(None, None, None, check_indptr="no")
 
 
+IMMUTABLE = r"^output: JAX arrays are immutable"
+READ_ONLY = r"^output: a read-only array cannot be written; leave it out"
+
+
 def test_a_jax_output_is_refused_as_immutable(monkeypatch):
     class FakeJax:
         __module__ = "jaxlib.xla_extension"
@@ -112,17 +129,41 @@ def test_a_jax_output_is_refused_as_immutable(monkeypatch):
         def __dlpack_device__(self):
             return (2, 0)
 
+    # The dispatcher's own rule (cupy_merge.jax, once imported, takes JAX calls before it and says the same).
+    monkeypatch.setattr(_dispatch, "_jax_call", None)
     monkeypatch.setattr(_arrays.FOREIGN, "describe", lambda obj, name: pytest.fail("described an output"))
     monkeypatch.setattr(_arrays.JAX, "describe", lambda obj, name: _arrays.ArrayView(256, (1, 1, 8), (8, 8, 1), "float16", 2, 0)
                         if name not in ("output", "output_lse") else pytest.fail("described the output"))  # fmt: skip
-    with pytest.raises(TypeError, match="^output: JAX arrays are immutable"):
+    with pytest.raises(TypeError, match=IMMUTABLE):
         cm.merge_attn_states(FakeJax(), FakeJax(), FakeJax(), FakeJax(), FakeJax())
+
+
+class _Interface:
+    """A ``__cuda_array_interface__`` producer, read-only or not."""
+
+    def __init__(self, read_only):
+        self.read_only = read_only
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": (1, 1, 8), "typestr": "<f2", "data": (256, self.read_only), "version": 3}
+
+
+def test_a_read_only_cuda_array_interface_output_is_refused(monkeypatch):
+    read_only, writable = _Interface(True), _Interface(False)
+    assert not _arrays.FOREIGN.writable(read_only) and _arrays.FOREIGN.writable(writable)
+    assert not _arrays.JAX.writable(object()) and _arrays.CUPY.writable(object())
+    view = _arrays.ArrayView(256, (1, 1, 8), (8, 8, 1), "float16", 2, 0)
+    monkeypatch.setattr(_arrays.FOREIGN, "describe",
+                        lambda obj, name: view if name != "output" else pytest.fail("described the output"))  # fmt: skip
+    with pytest.raises(TypeError, match=READ_ONLY):
+        cm.merge_attn_states(read_only, writable, writable, writable, writable)
 
 
 def _prepared(values):
     pointers = values.__array_interface__["data"][0] + _kernels._ARGUMENT_OFFSETS[: len(values)]
     return _kernels.PreparedLaunch(7, 1, (1, 1, 1), (32, 1, 1), 0, 0, pointers.__array_interface__["data"][0],
-                                   values, (pointers, None))  # fmt: skip
+                                   values, None, (pointers, None))  # fmt: skip
 
 
 def _arguments(params, count):
@@ -156,3 +197,63 @@ def test_a_launch_makes_the_kernels_context_current_when_another_or_none_is(monk
     _kernels.launch(prepared, 9)
     assert switched == [3, 1] and len(launched) == 2  # switched for the launch, then back
     assert launched[0] == (7, 1, 1, 1, 32, 1, 1, 0, 9, prepared.params, 0)
+
+
+class _ViewAdapter(_arrays.Adapter):
+    """Arrays that are their own ArrayViews; the outputs it allocates are fake addresses."""
+
+    kind = "views"
+
+    def __init__(self):
+        self.allocated = []
+
+    def describe(self, obj, name):
+        return obj
+
+    def current_stream(self, device):
+        return 0
+
+    def empty(self, shape, dtype, device, stream, zero=False):
+        array = ("fresh", len(self.allocated), shape, dtype)
+        self.allocated.append(array)
+        return array
+
+    def pointer(self, array):
+        return (20 + array[1]) << 32
+
+
+def test_fresh_outputs_are_allocated_on_every_run_and_patched_into_their_slots(monkeypatch):
+    from views import view
+
+    adapter = _ViewAdapter()
+    monkeypatch.setattr(_arrays, "adapter_for", lambda obj, name: adapter)
+    monkeypatch.setattr(
+        _kernels, "get_function", lambda module, kernel, device: _kernels.Function(1234, 77, None)
+    )
+    monkeypatch.setattr(_kernels, "_current_context", lambda: 77)
+    launched = []
+    monkeypatch.setattr(_kernels, "_driver_launch", lambda *args: launched.append(args))
+    v_a, v_b = view((5, 3, 16), ptr=1 << 32), view((5, 3, 16), ptr=2 << 32)
+    s_a, s_b = view((3, 5), "float32", ptr=3 << 32), view((3, 5), "float32", ptr=4 << 32)
+    operands = TwoStateOperands(None, None, v_a, s_a, v_b, s_b)
+    plain = _tuning.DEFAULT.replace(programmatic_launch=False)  # launched through cuLaunchKernel
+    call = _dispatch.prepare(_MERGE_STATE, TwoStateOptions(), operands, plain)
+    (plan,) = _dispatch.plan_for(_MERGE_STATE, TwoStateOptions(), _tuning.DEFAULT, operands).plan
+    (out_slot,), (lse_slot,) = plan.slots("out"), plan.slots("out_lse")
+    assert [(output.field, slots) for output, slots in call.fresh] == [
+        ("out", ((0, out_slot, 0),)),
+        ("out_lse", ((0, lse_slot, 0),)),
+    ]
+    (prepared,) = call.launches
+    assert prepared.values[out_slot] == prepared.values[lse_slot] == 0  # no output yet: allocated per run
+    for field, operand in (("v_a", v_a), ("lse_a", s_a), ("v_b", v_b), ("lse_b", s_b)):
+        assert (
+            prepared.values[plan.slots({"lse_a": "s_a", "lse_b": "s_b"}.get(field, field))[0]] == operand.ptr
+        )
+    for run in range(2):
+        out, out_lse = _dispatch.run(_MERGE_STATE, call, operands, None)
+        assert [out, out_lse] == adapter.allocated[-2:] and out[2:] == ((5, 3, 16), "float16")
+        arguments = _arguments(launched[-1][-2], len(prepared.values))
+        assert arguments[out_slot] == adapter.pointer(out) and arguments[lse_slot] == adapter.pointer(out_lse)
+        assert arguments[plan.slots("v_a")[0]] == v_a.ptr
+    assert len(adapter.allocated) == 4 and len(launched) == 2  # new outputs every run

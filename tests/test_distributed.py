@@ -56,6 +56,15 @@ def test_gloo_ranks_on_the_cpu_merge_to_attention_over_the_whole_kv(world):
     _run_ranks(run_rank, world, lambda rank: (rank, world, init, "gloo", ["float32", "bfloat16", "float16"]))
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_ranks_count_the_sinks_once_over_all_ranks(world):
+    pytest.importorskip("torch")
+    from distributed_worker import run_sinks_rank
+
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    _run_ranks(run_sinks_rank, world, lambda rank: (rank, world, init))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(GPU_COUNT < 2, reason="needs two CUDA devices")
 def test_nccl_two_gpus_torch_every_dtype_and_strategy():

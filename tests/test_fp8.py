@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from views import view
+from views import arguments, bound_args, family, plan_checked, template, view
 
 from cupy_merge import _catalogue as cat
-from cupy_merge import _checks, _dispatch, _plan, reference
+from cupy_merge import _checks, _plan, reference
+from cupy_merge._operands import ManyStateOperands, ManyStateOptions, TwoStateOptions
 from cupy_merge.merge import _MERGE_ATTN_STATES
 from cupy_merge.merge_many import _MERGE_STATES
 
@@ -103,38 +104,51 @@ def _two_way(
         "output_block_scale": group_scale,
     }
     views.update(changes)
-    return list(views.values())
+    # merge_attn_states' argument names -> its operand record.
+    names = _MERGE_ATTN_STATES.names
+    return type(names)(**{field: views[name] for field, name in zip(names._fields, names) if name in views})
 
 
 def _planned(arrays, group=None, ue8m0=0, operation=_MERGE_ATTN_STATES):
-    options = _plan.TwoStateOptions(0, None, None, group, ue8m0)
-    return _dispatch.plan_call(operation, options, arrays)
+    """The plan of an eager call with these views, after every shape and address rule."""
+    options = TwoStateOptions(group_size=group, scale_ue8m0=ue8m0)
+    return plan_checked(operation, options, arrays)
 
 
-def _template(plan):
-    family = next(f for f in cat.FAMILIES if plan.kernel.startswith(f"cupy_merge::{f.name}<"))
-    values = plan.kernel[plan.kernel.index("<") + 1 : -1].split(", ")
-    return family, dict(zip(family.template, values)), dict(zip(family.params, plan.args))
+def _launch(planned):
+    assert len(planned.plan) == 1, planned.plan
+    return planned.plan[0]
+
+
+def _template(launch):
+    return family(launch), template(launch), arguments(launch)
 
 
 def test_a_per_tensor_fp8_merge_plans_the_packed_kernel_with_the_scale_pointer():
-    family, template, args = _template(_planned(_two_way()).plan)
-    assert family is cat.TWO_PACKED and template["TOut"] == "cupy_merge::fp8_e4m3_t"
-    assert template["VEC"] == "8" and template["GROUPED"] == "false"
-    assert args["out_scale"] == 7 << 32 and args["out_group_scale"] == 0
+    arrays = _two_way()
+    launch = _launch(_planned(arrays))
+    kernels, template_args, _ = _template(launch)
+    assert kernels is cat.TWO_PACKED and template_args["TOut"] == "cupy_merge::fp8_e4m3_t"
+    assert template_args["VEC"] == "8" and template_args["GROUPED"] == "false"
+    assert launch.slots("output_scale") == [kernels.position("output_scale")]
+    assert not launch.slots("output_block_scale")
+    bound = bound_args(launch, arrays)
+    assert bound["output_scale"] == 7 << 32 and bound["output_block_scale"] == 0
 
 
 def test_uint8_bytes_are_an_fp8_output_when_a_scale_is_given():
-    _, template, _ = _template(_planned(_two_way(out_dtype="uint8")).plan)
-    assert template["TOut"] == "cupy_merge::fp8_e4m3_t"
+    _, template_args, _ = _template(_launch(_planned(_two_way(out_dtype="uint8"))))
+    assert template_args["TOut"] == "cupy_merge::fp8_e4m3_t"
     with pytest.raises(TypeError, match="^output: expected dtype .*got uint8"):
         _planned(_two_way(out_dtype="uint8", out_scale=False))
 
 
 def test_a_strided_fp8_merge_takes_the_general_kernel_and_its_scale():
     strided = view((TOKENS, HEADS, HEAD_SIZE), "bfloat16", ptr=3 << 32, strides=(HEADS * 256, 256, 1))
-    family, _, args = _template(_planned(_two_way(prefix_output=strided)).plan)
-    assert family is cat.TWO_STRIDED and args["out_scale"] == 7 << 32
+    arrays = _two_way(prefix_output=strided)
+    launch = _launch(_planned(arrays))
+    assert family(launch) is cat.TWO_STRIDED and bound_args(launch, arrays)["output_scale"] == 7 << 32
+    assert launch.slots("output_scale") == [cat.TWO_STRIDED.position("output_scale")]
 
 
 @pytest.mark.parametrize(
@@ -146,14 +160,19 @@ def test_group_scales_plan_whole_groups_per_block(in_dtype, head_size, group, ve
     groups = HEADS * head_size // group
     scales = view((TOKENS, groups), "float32", ptr=8 << 32, strides=(1, TOKENS))
     arrays = _two_way(in_dtype=in_dtype, out_scale=False, group_scale=scales, head_size=head_size)
-    plan = _planned(arrays, group, 1).plan
-    family, template, args = _template(plan)
-    assert family is cat.TWO_PACKED and template["GROUPED"] == "true" and int(template["VEC"]) == vec
+    plan = _launch(_planned(arrays, group, 1))
+    kernels, template_args, args = _template(plan)
+    assert (
+        kernels is cat.TWO_PACKED and template_args["GROUPED"] == "true" and int(template_args["VEC"]) == vec
+    )
     assert args["packs_per_group"] == packs_per_group and plan.block[0] % packs_per_group == 0
     assert plan.shared_bytes == 4 * (plan.block[0] // packs_per_group)
     assert (
-        args["group_stride_token"] == 1 and args["group_stride_group"] == TOKENS and args["scale_ue8m0"] == 1
+        args["block_scale_stride_token"] == 1
+        and args["block_scale_stride_group"] == TOKENS
+        and args["scale_ue8m0"] == 1
     )
+    assert bound_args(plan, arrays)["output_block_scale"] == 8 << 32
     assert (
         _plan.fast_divide(plan.block[0] - 1, _plan.fast_divisor(packs_per_group))
         == (plan.block[0] - 1) // packs_per_group
@@ -165,12 +184,15 @@ def test_n_way_group_scales_keep_whole_groups_per_block_when_states_are_split():
     s = view((64, HEADS, 2), "float32", ptr=4 << 32)
     out = view((2, HEADS, HEAD_SIZE), FP8, ptr=1 << 32)
     scales = view((2, HEADS * HEAD_SIZE // 32), "float32", ptr=8 << 32)
-    options = _plan.ManyStateOptions(0, None, False, 32, 0)
-    plan = _dispatch.plan_call(_MERGE_STATES, options, [out, None, v, s, None, None, scales]).plan
-    family, template, args = _template(plan)
-    assert family is cat.MANY_PACKED and template["SPLIT"] == "true" and template["GROUPED"] == "true"
+    options = ManyStateOptions(group_size=32)
+    operands = ManyStateOperands(out, None, v, s, output_block_scale=scales)
+    plan = _launch(plan_checked(_MERGE_STATES, options, operands))
+    kernels, template_args, args = _template(plan)
+    assert (
+        kernels is cat.MANY_PACKED and template_args["SPLIT"] == "true" and template_args["GROUPED"] == "true"
+    )
     assert plan.block[0] % args["packs_per_group"] == 0 and plan.block[0] * plan.block[1] <= 1024
-    partials = (plan.block[1] - 1) * plan.block[0] * (int(template["VEC"]) + 3) * 4
+    partials = (plan.block[1] - 1) * plan.block[0] * (int(template_args["VEC"]) + 3) * 4
     assert plan.shared_bytes == partials + 4 * (plan.block[0] // args["packs_per_group"])
 
 
@@ -216,8 +238,34 @@ def test_group_scales_with_the_lse_in_place_take_blocks_of_whole_rows():
     head_size, group = 96, 48  # 12 packs a row, 6 a group: 21 groups (126 threads) would cut rows
     scales = view((TOKENS, HEADS * head_size // group), "float32", ptr=8 << 32)
     arrays = _two_way(out_scale=False, group_scale=scales, head_size=head_size)
-    arrays[1] = arrays[3]  # output_lse is prefix_lse
-    plan = _planned(arrays, group).plan
-    _, template, args = _template(plan)
-    assert template["LSE_IN_PLACE"] == "true" and template["GROUPED"] == "true"
+    apart = _launch(_planned(arrays, group))
+    arrays = arrays._replace(out_lse=arrays.s_a)  # output_lse is prefix_lse
+    plan = _launch(_planned(arrays, group))
+    _, template_args, args = _template(plan)
+    # The group kernel's block barriers order every read of a row's old LSE before its write
+    # once the block holds whole rows (the in-place flag's warp barrier is for the ungrouped kernel).
+    assert template_args["GROUPED"] == "true"
     assert plan.block[0] % args["packs_per_row"] == 0 and plan.block[0] % args["packs_per_group"] == 0
+    assert apart.block[0] % args["packs_per_row"] != 0  # not in place: whole groups, not rows
+    assert bound_args(plan, arrays)["out_lse"] == bound_args(plan, arrays)["lse_a"] == 4 << 32
+
+
+def test_group_scales_with_the_lse_in_place_and_rows_past_one_block_write_the_lse_in_a_second_launch():
+    head_size, group = 8 * 2048, 128  # 2048 packs a row: more than a block's 1024 threads
+    scales = view((TOKENS, HEADS * head_size // group), "float32", ptr=8 << 32)
+    arrays = _two_way(out_scale=False, group_scale=scales, head_size=head_size)
+    (together,) = _planned(arrays, group).plan  # not in place: one launch writes both
+    assert together.slots("out_lse") and together.slots("output_block_scale")
+    arrays = arrays._replace(out_lse=arrays.s_b)  # output_lse is suffix_lse
+    merge, lse = _planned(arrays, group).plan
+    # First the values and group scales, reading the old LSE; the LSE is not written there.
+    assert family(merge) is cat.TWO_PACKED and template(merge)["GROUPED"] == "true"
+    assert not merge.slots("out_lse") and arguments(merge)["out_lse"] == 0
+    assert merge.slots("out") and merge.slots("output_block_scale")
+    # Then the strided kernel with no packs to merge writes the LSE over its input.
+    args = bound_args(lse, arrays)
+    assert family(lse) is cat.TWO_STRIDED and args["head_size"] == 0 and args["out_lse_is_input"] == 1
+    assert not lse.slots("out") and not lse.slots("output_block_scale") and args["out"] == 0
+    assert args["out_lse"] == args["lse_b"] == 6 << 32 and args["lse_a"] == 4 << 32
+    assert (args["num_tokens"], args["num_heads"]) == (TOKENS, HEADS)
+    assert lse.block[0] == 1 and lse.module == merge.module  # one module: compiled and loaded once

@@ -11,12 +11,30 @@ import zipfile
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: The headers the kernels include (inlined by ``_kernels.with_includes``).
+HEADERS = ("conversions.cuh", "packs.cuh", "grid.cuh", "fp8.cuh")
+
+
+def _shipped_sources() -> list[str]:
+    """Every .cu and .cuh file of the source tree's cuda_src/."""
+    return sorted(path.name for path in (ROOT / "cuda_src").iterdir() if path.suffix in (".cu", ".cuh"))
 
 
 def test_installed_package_loads_the_kernel_source_as_a_resource():
+    import re
+
+    from cupy_merge import _kernels
+
     folder = importlib.resources.files("cupy_merge.cuda_src")
     assert "__global__ void merge_two_states" in (folder / "merge_two_states.cu").read_text()
-    assert (folder / "numerics.cuh").is_file()
+    for header in HEADERS:
+        assert (folder / header).is_file(), header
+    # Every header a kernel file names, directly or through another header, is there to inline.
+    for source in ("merge_two_states.cu", "merge_many_states.cu", "merge_across_ranks.cu"):
+        text = (folder / source).read_text()
+        for header in re.findall(r'^#include "([^"]+)"', text, re.MULTILINE):
+            assert (folder / header).is_file(), header
+        assert "#include" not in _kernels.kernel_source(source)
 
 
 @pytest.mark.skipif(not (ROOT / "pyproject.toml").exists(), reason="needs the source tree")
@@ -40,7 +58,10 @@ def test_wheel_contains_the_cuda_source(tmp_path):
     archive = zipfile.ZipFile(wheel)
     names = archive.namelist()
     assert "cupy_merge/cuda_src/merge_two_states.cu" in names
-    assert "cupy_merge/cuda_src/numerics.cuh" in names
+    for header in HEADERS:
+        assert f"cupy_merge/cuda_src/{header}" in names, header
+    for source in _shipped_sources():
+        assert f"cupy_merge/cuda_src/{source}" in names, source
     assert "cupy_merge/py.typed" in names
     assert "cupy_merge/tools/bench.py" in names and "cupy_merge/distributed/__init__.py" in names
     (metadata,) = [name for name in names if name.endswith(".dist-info/METADATA")]
@@ -66,6 +87,9 @@ def test_sdist_carries_the_tests_their_helpers_and_the_license(tmp_path):
     (sdist,) = tmp_path.glob("cupy_merge-*.tar.gz")
     with tarfile.open(sdist) as archive:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
-    for needed in ["LICENSE", "CHANGELOG.md", "cuda_src/numerics.cuh", "tests/conftest.py", "tests/gpu_arrays.py",
-                   "tests/bad_inputs.py", "tests/views.py", "tests/test_plan.py", "examples/torch_drop_in.py"]:  # fmt: skip
+    for needed in ["LICENSE", "CHANGELOG.md", *(f"cuda_src/{h}" for h in HEADERS), "tests/conftest.py",
+                   "tests/gpu_arrays.py", "tests/bad_inputs.py", "tests/views.py", "tests/test_plan.py",
+                   "examples/torch_drop_in.py", "cupy_merge/_version.py"]:  # fmt: skip
         assert needed in names, needed
+    for source in _shipped_sources():
+        assert f"cuda_src/{source}" in names, source

@@ -6,14 +6,16 @@ import math
 
 import numpy as np
 import pytest
+from views import arguments, bound_args, family, plan_checked, slot_fields, template
 from views import view as _make_view
 
 from cupy_merge import _catalogue as cat
-from cupy_merge import _checks, _dispatch
-from cupy_merge import _plan as _plan_module
+from cupy_merge import _checks, _tuning
+from cupy_merge._operands import ManyStateOptions
 from cupy_merge.merge_many import _MERGE_STATES, _MERGE_STATES_VARLEN
 
 STATES, TOKENS, HEADS, HEAD_SIZE = 6, 5, 3, 64
+STRIDED = _tuning.DEFAULT.replace(packed_kernels=False)
 
 
 def _view(shape, dtype="float16", ptr=1 << 32, strides=None, device=0):
@@ -32,36 +34,36 @@ def _dense(**changes):
     return views
 
 
-def _plan(views, options=None):
-    options = options or _plan_module.ManyStateOptions()
+def _plan(views, options=None, tuning=_tuning.DEFAULT):
+    """The one launch of the merge of ``views``, after every shape and address rule."""
+    options = options or ManyStateOptions()
     operation = _MERGE_STATES if views["indptr"] is None else _MERGE_STATES_VARLEN
-    arrays = [views[name] for name in ("out", "out_lse", "v", "s", "indptr")]
-    arrays += [views.get("output_scale"), views.get("output_block_scale")]
-    return _dispatch.plan_call(operation, options, arrays).plan
+    plan = plan_checked(operation, options, views, tuning).plan
+    assert len(plan) == 1, plan
+    return plan[0]
 
 
 def _template(plan):
-    family = next(f for f in cat.FAMILIES if plan.kernel.startswith(f"cupy_merge::{f.name}<"))
-    return family, dict(zip(family.template, plan.kernel[plan.kernel.index("<") + 1 : -1].split(", ")))
+    return family(plan), template(plan)
 
 
 def _args(plan):
-    return dict(zip(_template(plan)[0].params, plan.args))
+    return arguments(plan)
 
 
 def test_a_dense_call_plans_the_packed_kernel():
     plan = _plan(_dense())
-    family, template = _template(plan)
+    kernels, template_args = _template(plan)
     # A few rows: their states are split over thread groups (the "true" instantiation).
-    assert family is cat.MANY_PACKED and template["VEC"] == "8" and template["SPLIT"] == "true"
+    assert kernels is cat.MANY_PACKED and template_args["VEC"] == "8" and template_args["SPLIT"] == "true"
     assert _args(plan)["num_states"] == STATES
 
 
-def test_without_packed_kernels_a_dense_call_plans_the_strided_kernel(monkeypatch):
-    monkeypatch.setattr(_plan_module, "PACKED_KERNELS", False)
-    plan = _plan(_dense())
+def test_without_packed_kernels_a_dense_call_plans_the_strided_kernel():
+    plan = _plan(_dense(), tuning=STRIDED)
     assert (
-        plan.kernel == "cupy_merge::merge_many_states<cupy_merge::half_t, cupy_merge::half_t, 8, true, int>"
+        plan.kernel
+        == "cupy_merge::merge_many_states<cupy_merge::half_t, cupy_merge::half_t, 8, true, int, false>"
     )
     assert _args(plan)["num_states"] == STATES
 
@@ -72,8 +74,8 @@ def test_a_state_stride_that_breaks_alignment_narrows_the_vector():
         strides=(TOKENS * HEADS * HEAD_SIZE + 2, HEADS * HEAD_SIZE, HEAD_SIZE, 1),
         ptr=3 << 32,
     )
-    family, template = _template(_plan(_dense(v=v)))
-    assert family is cat.MANY_STRIDED and template["VEC"] == "2"
+    kernels, template_args = _template(_plan(_dense(v=v)))
+    assert kernels is cat.MANY_STRIDED and template_args["VEC"] == "2"
 
 
 def test_a_float32_input_into_a_bfloat16_output_still_moves_16_bytes():
@@ -81,7 +83,8 @@ def test_a_float32_input_into_a_bfloat16_output_still_moves_16_bytes():
     out = _view((TOKENS, HEADS, HEAD_SIZE), "bfloat16", ptr=1 << 32)
     plan = _plan(_dense(v=v, out=out))
     assert plan.kernel.startswith("cupy_merge::merge_many_states_packed<float, cupy_merge::bfloat16_t, 8,")
-    assert plan.module == ("merge_many_states.cu", "float32", "bfloat16")
+    assert plan.module == cat.Module("merge_many_states.cu", "float32", "bfloat16")
+    assert plan.module[:3] == ("merge_many_states.cu", "float32", "bfloat16")
 
 
 BAD_DENSE = [
@@ -119,13 +122,15 @@ def _ragged(**changes):
     return views
 
 
-def test_a_ragged_call_uses_zero_token_strides(monkeypatch):
-    args = _args(_plan(_ragged()))
+def test_a_ragged_call_uses_zero_token_strides():
+    views = _ragged()
+    plan = _plan(views)
+    args = bound_args(plan, views)
     assert args["indptr"] == 5 << 32 and args["indptr_bytes"] == 4
+    assert plan.slots("indptr") == [family(plan).position("indptr")]
     assert args["num_states"] == 20  # rows in all, the bound every offset is checked against
     assert (args["v_stride_state"], args["v_stride_token"]) == (HEADS * HEAD_SIZE // 8, 0)  # in packs
-    monkeypatch.setattr(_plan_module, "PACKED_KERNELS", False)
-    args = _args(_plan(_ragged()))
+    args = _args(_plan(_ragged(), tuning=STRIDED))
     assert (args["v_stride_state"], args["v_stride_token"], args["v_stride_head"]) == (
         HEADS * HEAD_SIZE,
         0,
@@ -196,26 +201,30 @@ def test_two_dense_states_go_to_the_two_way_kernel_as_views():
         v=_view((2, TOKENS, HEADS, HEAD_SIZE), ptr=3 << 32),
         s=_view((2, HEADS, TOKENS), "float32", ptr=4 << 32),
     )
-    args = _args(_plan(views))
-    assert _template(_plan(views))[0] is cat.TWO_PACKED
+    plan = _plan(views)
+    args = bound_args(plan, views)
+    assert _template(plan)[0] is cat.TWO_PACKED
     assert args["v_a"] == 3 << 32 and args["v_b"] == (3 << 32) + TOKENS * HEADS * HEAD_SIZE * 2
     assert args["lse_a"] == 4 << 32 and args["lse_b"] == (4 << 32) + HEADS * TOKENS * 4
+    # The views of the two states are slots into v and s at each state's byte offset.
+    slots = slot_fields(plan)
+    assert (slots["v_a"], slots["v_b"]) == (("v", 0), ("v", TOKENS * HEADS * HEAD_SIZE * 2))
+    assert (slots["lse_a"], slots["lse_b"]) == (("s", 0), ("s", HEADS * TOKENS * 4))
 
 
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("states, tokens, expected", [(64, 4096, 1), (64, 64, 4), (256, 16, 16), (3, 16, 1)])
-def test_few_rows_split_their_states_over_more_threads(monkeypatch, packed, states, tokens, expected):
-    monkeypatch.setattr(_plan_module, "PACKED_KERNELS", packed)
+def test_few_rows_split_their_states_over_more_threads(packed, states, tokens, expected):
     views = _dense(
         v=_view((states, tokens, 32, 128), ptr=3 << 32),
         s=_view((states, 32, tokens), "float32", ptr=4 << 32),
         out=_view((tokens, 32, 128), ptr=1 << 32),
         out_lse=_view((32, tokens), "float32", ptr=2 << 32),
     )
-    plan = _plan(views)
-    family, template = _template(plan)
-    assert family is (cat.MANY_PACKED if packed else cat.MANY_STRIDED)
-    assert template["SPLIT"] == ("true" if expected > 1 else "false")
+    plan = _plan(views, tuning=_tuning.DEFAULT.replace(packed_kernels=packed))
+    kernels, template_args = _template(plan)
+    assert kernels is (cat.MANY_PACKED if packed else cat.MANY_STRIDED)
+    assert template_args["SPLIT"] == ("true" if expected > 1 else "false")
     if packed:
         threads_x, splits, _ = plan.block
         assert plan.shared_bytes == (splits - 1) * threads_x * (8 + 3) * 4
@@ -232,8 +241,14 @@ def test_plans_put_the_output_pointers_where_fresh_outputs_are_patched_in(states
         s=_view((states, HEADS, TOKENS), "float32", ptr=4 << 32),
     )
     plan = _plan(views)
-    assert plan.args[plan.out_slot] == views["out"].ptr
-    assert plan.args[plan.out_lse_slot] == views["out_lse"].ptr
+    kernels = family(plan)
+    assert plan.slots("out") == [kernels.position("out")] and plan.slots("out_lse") == [
+        kernels.position("out_lse")
+    ]
+    assert plan.args[kernels.position("out")] == plan.args[kernels.position("out_lse")] == 0  # no address
+    args = bound_args(plan, views)
+    assert args["out"] == views["out"].ptr
+    assert args["out_lse"] == views["out_lse"].ptr
 
 
 def test_head_size_zero_plans_the_strided_kernel():
@@ -244,9 +259,42 @@ def test_head_size_zero_plans_the_strided_kernel():
 
 
 def test_two_billion_stride_0_states_take_64_bit_offsets():
-    views = _dense(
-        v=_view((2**31, TOKENS, HEADS, HEAD_SIZE), ptr=3 << 32, strides=(0, HEADS * HEAD_SIZE, HEAD_SIZE, 1)),
-        s=_view((2**31, HEADS, TOKENS), "float32", ptr=4 << 32, strides=(0, TOKENS, 1)),
+    # Dense merges take at most MAX_STATES_PER_TOKEN states a token (see the test below); a ragged
+    # batch's rows are not bounded so, and the kernels count them in the offset type.
+    rows = 2**31
+    views = _ragged(
+        v=_view((rows, HEADS, HEAD_SIZE), ptr=3 << 32, strides=(0, HEAD_SIZE, 1)),
+        s=_view((HEADS, rows), "float32", ptr=4 << 32, strides=(1, 0)),
     )
-    family, template = _template(_plan(views))
-    assert family is cat.MANY_STRIDED and template["Index"] == "long long"
+    plan = _plan(views)
+    kernels, template_args = _template(plan)
+    assert kernels is cat.MANY_STRIDED and template_args["Index"] == "long long"
+    assert _args(plan)["num_states"] == rows
+    dense = _dense(
+        v=_view((rows, TOKENS, HEADS, HEAD_SIZE), ptr=3 << 32, strides=(0, HEADS * HEAD_SIZE, HEAD_SIZE, 1)),
+        s=_view((rows, HEADS, TOKENS), "float32", ptr=4 << 32, strides=(0, TOKENS, 1)),
+    )
+    with pytest.raises(ValueError, match=f"^v: expected at most {cat.MAX_STATES_PER_TOKEN} states a token"):
+        _plan(dense)
+
+
+def test_a_dense_merge_of_more_states_a_token_than_the_kernels_take_is_refused_naming_v():
+    most = cat.MAX_STATES_PER_TOKEN
+    assert most == 65536
+    for states in (most, most + 1):
+        views = _dense(
+            v=_view(
+                (states, TOKENS, HEADS, HEAD_SIZE), ptr=3 << 32, strides=(0, HEADS * HEAD_SIZE, HEAD_SIZE, 1)
+            ),
+            s=_view((states, HEADS, TOKENS), "float32", ptr=4 << 32, strides=(0, TOKENS, 1)),
+        )
+        if states == most:
+            assert _args(_plan(views))["num_states"] == most
+        else:
+            with pytest.raises(
+                ValueError, match=rf"^v: expected at most 65536 states a token .*got {most + 1}"
+            ):
+                _plan(views)
+    # The ragged merge's bound is checked with its offsets, on the host.
+    with pytest.raises(ValueError, match=rf"^indptr: expected at most 65536 states a token, got {most + 1}"):
+        _checks.indptr_values(np.array([0, 1, most + 2]), most + 2)

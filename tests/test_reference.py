@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
 
-from cupy_merge import reference
+from cupy_merge import _arrays, _checks, _dispatch, _tuning, reference
+from cupy_merge.merge import _MERGE_STATE
+from cupy_merge.merge_many import _MERGE_STATES, _MERGE_STATES_VARLEN, _NAMES
 
 
 def _random_qkv(rng, tokens, heads, head_size, kv_len):
@@ -130,3 +133,162 @@ def test_ragged_merge_equals_attention_per_token(rng):
         np.testing.assert_allclose(out[token], want_out[0], rtol=1e-11, atol=1e-12)
         np.testing.assert_allclose(lse[:, token], want_lse[:, 0], rtol=1e-12)
     assert np.all(out[1] == 0) and np.all(lse[:, 1] == -np.inf)
+
+
+# -- the GPU merges' rules ------------------------------------------------------------------------
+
+
+def _gpu_error(operation, **shapes):
+    """The exception the GPU merge raises for operands of these shapes (float16 values, float32
+    LSEs, int64 offsets; checked and planned from specs alone, no GPU)."""
+
+    def spec(field, shape):
+        dtype, itemsize = {"v": ("float16", 2), "v_a": ("float16", 2), "v_b": ("float16", 2),
+                           "indptr": ("int64", 8)}.get(field, ("float32", 4))  # fmt: skip
+        return _arrays.contiguous_spec(tuple(shape), dtype, itemsize, 0)
+
+    kind = type(operation.names)
+    specs = kind(None, None, **{field: spec(field, shape) for field, shape in shapes.items()})
+    with pytest.raises((TypeError, ValueError)) as raised:
+        _dispatch.plan_specs(operation, operation.options(), _tuning.DEFAULT, specs)
+    return raised.value
+
+
+def _same_error(gpu_error, call):
+    with pytest.raises(type(gpu_error)) as raised:
+        call()
+    assert str(raised.value) == str(gpu_error)
+
+
+TWO_WAY = {"v_a": (5, 3, 16), "s_a": (3, 5), "v_b": (5, 3, 16), "s_b": (3, 5)}
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"v_a": (5, 48)}, "^v_a: expected a 3-D array"),
+        ({"s_a": (3, 5, 1)}, "^s_a: expected a 2-D array"),
+        ({"v_b": (5, 3, 24)}, r"^v_b: expected shape \(5, 3, 16\) \(the shape of v_a\)"),
+        ({"s_b": (5, 3)}, "^s_b: expected shape .*transposed view"),
+        ({"s_a": (3, 4)}, r"^s_a: expected shape \(num_heads, num_tokens\)"),
+        ({"sinks": (4,)}, r"^sinks: expected shape \(3,\) \(num_heads of v_a\)"),
+        ({"sinks": (3, 1)}, "^sinks: expected a 1-D array"),
+    ],
+)
+def test_the_two_way_reference_raises_the_gpu_merges_messages_for_bad_shapes(changes, words):
+    shapes = dict(TWO_WAY, **changes)
+    gpu_error = _gpu_error(_MERGE_STATE, **shapes)
+    assert re.match(words, str(gpu_error)), gpu_error
+    arrays = {name: np.zeros(shape) for name, shape in shapes.items()}
+    sinks = arrays.pop("sinks", None)
+    _same_error(gpu_error, lambda: reference.merge_state(**arrays, sinks=sinks))
+
+
+@pytest.mark.parametrize(
+    "shapes, words",
+    [
+        ({"v": (5, 3, 16), "s": (6, 3, 5)}, "^v: expected a 4-D array"),
+        ({"v": (6, 5, 3, 16), "s": (3, 5)}, "^s: expected a 3-D array"),
+        ({"v": (6, 5, 3, 16), "s": (7, 3, 5)}, r"^s: expected shape \(num_states, num_heads, num_tokens\)"),
+        ({"v": (6, 5, 3, 16), "s": (6, 5, 3)}, "^s: expected shape .*transposed view"),
+        (
+            {"v": (6, 5, 3, 16), "s": (6, 3, 5), "sinks": (2,)},
+            r"^sinks: expected shape \(3,\) \(num_heads of v\)",
+        ),
+        ({"v": (65537, 1, 1, 1), "s": (65537, 1, 1)}, "^v: expected at most 65536 states a token"),
+    ],
+)
+def test_the_n_way_reference_raises_the_gpu_merges_messages_for_bad_shapes(shapes, words):
+    gpu_error = _gpu_error(_MERGE_STATES, **shapes)
+    assert re.match(words, str(gpu_error)), gpu_error
+    arrays = {name: np.zeros(shape) for name, shape in shapes.items()}
+    _same_error(
+        gpu_error, lambda: reference.merge_states(arrays["v"], arrays["s"], sinks=arrays.get("sinks"))
+    )
+
+
+@pytest.mark.parametrize(
+    "shapes, words",
+    [
+        ({"v": (9, 3, 16), "s": (3, 9), "indptr": (5, 1)}, "^indptr: expected a 1-D array"),
+        ({"v": (9, 3, 16), "s": (3, 9), "indptr": (0,)}, r"^indptr: expected num_tokens \+ 1 >= 1 entries"),
+        (
+            {"v": (9, 3, 16), "s": (3, 8), "indptr": (5,)},
+            r"^s: expected shape \(num_heads, total_states\) = \(3, 9\)",
+        ),
+        ({"v": (9, 3, 16), "s": (9, 3), "indptr": (5,)}, r"^s: expected shape \(num_heads, total_states\)"),
+        ({"v": (2, 9, 3, 16), "s": (3, 9), "indptr": (5,)}, "^v: expected a 3-D array"),
+        ({"v": (9, 3, 16), "s": (3, 9), "indptr": (5,), "sinks": (1,)}, r"^sinks: expected shape \(3,\)"),
+    ],
+)
+def test_the_ragged_reference_raises_the_gpu_merges_messages_for_bad_shapes(shapes, words):
+    gpu_error = _gpu_error(_MERGE_STATES_VARLEN, **shapes)
+    assert re.match(words, str(gpu_error)), gpu_error
+    v, s = np.zeros(shapes["v"]), np.zeros(shapes["s"])
+    indptr = np.zeros(shapes["indptr"], dtype=np.int64)
+    sinks = np.zeros(shapes["sinks"]) if "sinks" in shapes else None
+    _same_error(gpu_error, lambda: reference.merge_states_varlen(v, s, indptr, sinks=sinks))
+
+
+def test_a_float_indptr_is_refused_as_the_gpu_refuses_it():
+    with pytest.raises(TypeError) as gpu:
+        _checks.expect_index_array(_arrays.contiguous_spec((5,), "float32", 4, 0), _NAMES.indptr)
+    _same_error(gpu.value, lambda: reference.merge_states_varlen(np.zeros((4, 3, 8)), np.zeros((3, 4)),
+                                                                 np.zeros(5, dtype=np.float32)))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "indptr, words",
+    [
+        ([1, 2, 4], "first entry to be 0, got 1"),
+        ([0, 3, 2], r"non-decreasing offsets, got indptr\[1\] = 3 > indptr\[2\] = 2"),
+        ([0, 2, 5], "last entry to be at most total_states = 4, got 5"),
+    ],
+)
+def test_bad_offsets_raise_the_gpu_merges_messages_when_checked(rng, indptr, words):
+    v, s = rng.standard_normal((4, 2, 3)), rng.standard_normal((2, 4))
+    with pytest.raises(ValueError) as gpu:
+        _checks.indptr_values(np.array(indptr), 4)  # what merge_states_varlen(check_indptr=True) runs
+    with pytest.raises(ValueError, match=f"^indptr: expected .*{words}") as raised:
+        reference.merge_states_varlen(v, s, np.array(indptr))
+    assert str(raised.value) == str(gpu.value)
+
+
+def test_bad_offsets_give_nan_rows_without_the_check_as_the_kernel_does(rng):
+    v, s = rng.standard_normal((4, 2, 3)), rng.standard_normal((2, 4))
+    # Token 0 is fine; 1 decreases (2 -> 1), 2 ends past the 4 rows, 3 decreases (5 -> 4); 4 is fine.
+    indptr = np.array([0, 2, 1, 5, 4, 4])
+    with pytest.raises(ValueError, match="^indptr: expected non-decreasing offsets"):
+        reference.merge_states_varlen(v, s, indptr)
+    out, lse = reference.merge_states_varlen(v, s, indptr, check_indptr=False)
+    assert out.shape == (5, 2, 3) and lse.shape == (2, 5)
+    for token in (1, 2, 3):
+        assert np.isnan(out[token]).all() and np.isnan(lse[:, token]).all()
+    want, want_lse = reference.merge_states_varlen(v, s, np.array([0, 2]))
+    np.testing.assert_array_equal(out[0], want[0])
+    np.testing.assert_array_equal(lse[:, 0], want_lse[:, 0])
+    assert (out[4] == 0).all() and (lse[:, 4] == -np.inf).all()  # an empty token, not a bad one
+    # A negative start is out of range too.
+    out, lse = reference.merge_states_varlen(v, s, np.array([-1, 2]), check_indptr=False)
+    assert np.isnan(out).all() and np.isnan(lse).all()
+
+
+def test_more_states_a_token_than_the_kernels_take_give_a_nan_row_without_the_check():
+    rows = 65536 + 2
+    v, s = np.ones((rows, 1, 2)), np.zeros((1, rows))
+    indptr = np.array([0, 1, rows])  # token 1: 65537 states
+    with pytest.raises(
+        ValueError, match="^indptr: expected at most 65536 states a token, got 65537 for token 1"
+    ):
+        reference.merge_states_varlen(v, s, indptr)
+    out, lse = reference.merge_states_varlen(v, s, indptr, check_indptr=False)
+    assert np.isnan(out[1]).all() and np.isnan(lse[:, 1]).all()
+    np.testing.assert_array_equal(out[0], [[1.0, 1.0]])
+    assert lse[0, 0] == 0.0
+
+
+def test_check_indptr_must_be_a_bool():
+    with pytest.raises(TypeError, match="^check_indptr: expected True or False"):
+        reference.merge_states_varlen(
+            np.zeros((1, 1, 2)), np.zeros((1, 1)), np.array([0, 1]), check_indptr="no"
+        )

@@ -62,7 +62,26 @@ def choose_strategy(
 
 
 def strategy_costs(world_size: int, row_bytes: int) -> dict[str, tuple[float, ...]]:
-    """Each strategy's collectives, as the bytes a rank sends per row in each (ring algorithms)."""
+    """Each strategy's collectives, as the bytes a rank sends per row in each (ring algorithms).
+
+    Parameters
+    ----------
+    world_size : int
+        Ranks in the group.
+    row_bytes : int
+        Bytes in a row of values (``head_size * itemsize``).
+
+    Returns
+    -------
+    dict
+        Strategy name -> the bytes a rank sends per row, one entry per collective.
+
+    Examples
+    --------
+    >>> from cupy_merge.distributed import strategy_costs
+    >>> strategy_costs(2, 256)["allgather"]
+    (260.0,)
+    """
     w = world_size
     lse_gather = 4.0 * (w - 1)
     return {

@@ -1,0 +1,176 @@
+"""SGLang's ``merge_state_v2`` with SGLang's signature and layout: token-major, natural-log LSE.
+
+=========  ========================================  ==================================
+argument   SGLang's layout                           the core's (what is passed to it)
+=========  ========================================  ==================================
+values     ``[seq_len, num_heads, head_dim]``        the same
+LSE        ``[seq_len, num_heads]``, float32, ln     ``s.T``: ``[num_heads, seq_len]``
+=========  ========================================  ==================================
+
+SGLang has three functions called "merge_state", and their LSE bases differ:
+
+* ``sgl_kernel.merge_state_v2(v_a, s_a, v_b, s_b, v_merged=None, s_merged=None)``: natural
+  log. Use :func:`merge_state_v2`.
+* ``sglang.srt.layers.attention.merge_state.merge_state(prefix_output, prefix_lse,
+  suffix_output, suffix_lse, output=None, output_lse=None[, enable_pdl])``, the dispatcher over
+  ``merge_state_v2`` and a Triton kernel: natural log, the same arguments in the same places.
+  Use :func:`merge_state_v2`.
+* ``sgl_kernel.merge_state(v_a, s_a, v_b, s_b, v_merged=None, s_merged=None)`` ("v1", FlashInfer's
+  kernel vendored): **base 2**. Use :func:`merge_state_v2` with ``lse_base=2``, or
+  :func:`cupy_merge.compat.flashinfer.merge_state` where no outputs are given. Reading its
+  base-2 LSEs as natural logs weighs every state wrongly, without any error.
+"""
+
+from __future__ import annotations
+
+import cupy_merge as _cm
+
+from ..types import Array, LseBase, Stream
+from . import (
+    VALUE_DTYPES,
+    dtype_of,
+    empty,
+    expect_dtype,
+    expect_flag,
+    expect_like,
+    expect_ndim,
+    expect_shape,
+    expect_unit_last_stride,
+    expect_values,
+    lse_input,
+    lse_output,
+    permute,
+    take,
+)
+
+VALUES = "[seq_len, num_heads, head_dim]"
+LSE = "[seq_len, num_heads]"
+SWAPPED = (
+    "that is cupy_merge's [num_heads, num_tokens] layout: SGLang's LSE is token-major, pass it as "
+    "SGLang takes it (or call cupy_merge.merge_state)"
+)
+
+
+def merge_state_v2(
+    v_a: Array,
+    s_a: Array,
+    v_b: Array,
+    s_b: Array,
+    v_merged: Array | None = None,
+    s_merged: Array | None = None,
+    enable_pdl: bool | None = None,
+    *,
+    lse_base: LseBase = "e",
+    stream: Stream = None,
+) -> tuple[Array, Array]:
+    """Merge two attention states (SGLang's ``sgl_kernel.merge_state_v2``): token-major, natural-log LSE.
+
+    ``v_merged = (exp(s_a) * v_a + exp(s_b) * v_b) / (exp(s_a) + exp(s_b))``,
+    ``s_merged = log(exp(s_a) + exp(s_b))``, per token and head.
+
+    Parameters
+    ----------
+    v_a : torch.Tensor or cupy.ndarray
+        ``[seq_len, num_heads, head_dim]``, float16, bfloat16 or float32; any strides with a
+        contiguous last dimension.
+    s_a : torch.Tensor or cupy.ndarray
+        ``[seq_len, num_heads]`` (token-major), natural-log log-sum-exp of ``v_a``'s scores,
+        float32 (float16, bfloat16 or float64 are cast to a float32 copy, as SGLang does).
+        ``+inf`` is read as ``-inf``, as SGLang does.
+    v_b : torch.Tensor or cupy.ndarray
+        Like ``v_a``, of its shape and dtype.
+    s_b : torch.Tensor or cupy.ndarray
+        Like ``s_a``.
+    v_merged : torch.Tensor or cupy.ndarray, optional
+        ``[seq_len, num_heads, head_dim]`` to write the merged values into, float16, bfloat16 or
+        float32 (converted from the inputs' dtype; SGLang reinterprets the inputs as
+        ``v_merged``'s dtype instead); may be ``v_a`` or ``v_b`` itself. Allocated like ``v_a``
+        if omitted.
+    s_merged : torch.Tensor or cupy.ndarray, optional
+        ``[seq_len, num_heads]`` float32 to write the merged LSE into; may be ``s_a`` or ``s_b``
+        itself (safe here; racy in SGLang's kernel). Allocated if omitted.
+    enable_pdl : bool, optional
+        Accepted and ignored: SGLang's switch for programmatic dependent launch (overlapping a
+        kernel's start with the previous kernel's end on Hopper), a scheduling choice that does
+        not change the result. cupy-merge's kernels launch without it.
+    lse_base : {"e", 2}
+        cupy-merge's extension: 2 for the base-2 LSEs of ``sgl_kernel.merge_state`` (v1,
+        FlashInfer's kernel), which takes the same arguments.
+    stream : Stream, optional
+        Where to launch (cupy-merge's extension; by default the current stream of the arrays'
+        kind, as SGLang).
+
+    Returns
+    -------
+    v_merged : torch.Tensor or cupy.ndarray
+        The merged values: the given ``v_merged`` or a new C-contiguous array of ``v_a``'s dtype.
+    s_merged : torch.Tensor or cupy.ndarray
+        The merged LSE, ``[seq_len, num_heads]`` float32: the given ``s_merged`` or a new
+        C-contiguous array. New arrays are of ``v_a``'s array kind.
+
+    Raises
+    ------
+    TypeError
+        A dtype or array kind SGLang's layout does not allow; the message names the argument.
+    ValueError
+        A shape that is not SGLang's layout; the message names the argument and the layout.
+
+    Warnings
+    --------
+    ``s_a``, ``s_b`` and ``s_merged`` are SGLang's ``[seq_len, num_heads]``, whatever the extents:
+    with ``seq_len == num_heads`` a ``[num_heads, seq_len]`` tensor (the core's and vLLM's layout)
+    cannot be told apart by its shape and is read as token-major.
+
+    See Also
+    --------
+    cupy_merge.merge_state : The core merge: ``merge_state(v_a, s_a.T, v_b, s_b.T)``.
+
+    Notes
+    -----
+    Calls ``cupy_merge.merge_state(v_a, s_a.T, v_b, s_b.T, out=v_merged, out_lse=s_merged.T)``:
+    views, no copy. Where both LSEs are ``-inf`` the result is 0 and ``-inf`` (SGLang: NaN).
+    Head sizes need not be multiples of 4 (float32) or 8 (16-bit), as SGLang's CUDA kernel requires.
+
+    Examples
+    --------
+    >>> import torch                                                               # doctest: +SKIP
+    >>> from cupy_merge.compat import sglang
+    >>> v_a = torch.randn(613, 32, 128, device="cuda").half()                      # doctest: +SKIP
+    >>> v_b = torch.randn(613, 32, 128, device="cuda").half()                      # doctest: +SKIP
+    >>> s_a = torch.randn(613, 32, device="cuda")                                  # doctest: +SKIP
+    >>> s_b = torch.randn(613, 32, device="cuda")                                  # doctest: +SKIP
+    >>> v, s = sglang.merge_state_v2(v_a, s_a, v_b, s_b)                           # doctest: +SKIP
+    >>> v, s = sglang.merge_state_v2(v_a, s_a, v_b, s_b, v_a, s_a)  # in place     # doctest: +SKIP
+    """
+    v_a, adapter = take(v_a, "v_a")
+    seq_len, num_heads, head_dim = expect_values(v_a, "v_a", 3, VALUES, "SGLang's layout")
+    v_b, _ = take(v_b, "v_b")
+    expect_like(v_b, v_a, "v_b", "v_a")
+    convention = "SGLang's token-major LSE, " + ("base 2" if lse_base == 2 else "natural log")
+    s_a = lse_input(
+        s_a, "s_a", (seq_len, num_heads), LSE, "v_a", convention, castable=True, swapped_hint=SWAPPED
+    )
+    s_b = lse_input(
+        s_b, "s_b", (seq_len, num_heads), LSE, "v_a", convention, castable=True, swapped_hint=SWAPPED
+    )
+    expect_flag(enable_pdl, "enable_pdl", none=True)
+    if v_merged is None:
+        v_merged = empty(v_a, adapter, (seq_len, num_heads, head_dim), dtype_of(v_a), stream)
+    else:
+        v_merged, _ = take(v_merged, "v_merged")
+        expect_ndim(v_merged, 3, "v_merged", VALUES, "SGLang's layout")
+        expect_shape(v_merged, (seq_len, num_heads, head_dim), "v_merged", VALUES, "v_a", "SGLang's layout")
+        expect_dtype(v_merged, "v_merged", VALUE_DTYPES)
+        expect_unit_last_stride(v_merged, "v_merged", VALUES)
+    if s_merged is None:
+        s_merged = empty(v_a, adapter, (seq_len, num_heads), "float32", stream)
+    else:
+        s_merged = lse_output(s_merged, "s_merged", (seq_len, num_heads), LSE, "v_a", convention)
+    _cm.merge_state(
+        v_a, permute(s_a, 1, 0), v_b, permute(s_b, 1, 0),
+        out=v_merged, out_lse=permute(s_merged, 1, 0), lse_base=lse_base, stream=stream,
+    )  # fmt: skip
+    return v_merged, s_merged
+
+
+__all__ = ["merge_state_v2"]

@@ -1,0 +1,101 @@
+"""The merges' gradient kernels on a GPU against the float64 reference's closed form."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu_arrays import relative_error, to_device, to_host
+
+import cupy_merge as cm
+from cupy_merge import backward, reference
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
+
+
+def _close(got, want, dtype, what):
+    got = to_host(got)
+    assert np.isfinite(got).all(), f"{what}: not every element was written"
+    assert relative_error(got, want) <= TOLERANCE[dtype], what
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_states, tokens, head_size", [(1, 5, 64), (3, 17, 128), (40, 3, 256), (7, 9, 72)])
+@pytest.mark.parametrize("lse_base", ["e", 2])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_the_n_way_gradients_follow_the_reference(rng, dtype, grad_dtype, num_states, tokens, head_size, lse_base,
+                                                  with_sinks):  # fmt: skip
+    heads = 4
+    v = to_device(rng.standard_normal((num_states, tokens, heads, head_size)), dtype)
+    lse = (rng.standard_normal((num_states, heads, tokens)) * 3).astype(np.float32)
+    lse[0, 1] = -np.inf  # a head with an empty state
+    s = to_device(lse, "float32")
+    grad_v = to_device(rng.standard_normal((tokens, heads, head_size)), grad_dtype)
+    grad_s = to_device(rng.standard_normal((heads, tokens)), "float32")
+    sinks = to_device(rng.standard_normal(heads), "float32") if with_sinks else None
+    got = backward.merge_states_backward(v, s, grad_v, grad_s, sinks=sinks, lse_base=lse_base)
+    want = reference.merge_states_backward(to_host(v), lse, to_host(grad_v), to_host(grad_s),
+                                           sinks=None if sinks is None else to_host(sinks), lse_base=lse_base)  # fmt: skip
+    precision = "float32" if dtype == grad_dtype == "float32" else "bfloat16"
+    _close(got[0], want[0], precision, "grad of v")
+    _close(got[1], want[1], precision, "grad of s")
+    if with_sinks:
+        _close(got[2], want[2], precision, "grad of the sinks")
+    else:
+        assert got[2] is None
+
+
+@pytest.mark.parametrize("backend", ["cupy", "torch"])
+def test_the_two_way_gradients_take_any_strides_and_no_lse_gradient(rng, backend):
+    if backend == "torch":
+        pytest.importorskip("torch")
+    tokens, heads, head_size = 12, 3, 96
+    big = to_device(rng.standard_normal((tokens, heads + 2, head_size + 8)), "float16", backend)
+    v_a = big[:, 1 : heads + 1, 4 : 4 + head_size]  # a strided view
+    v_b = to_device(rng.standard_normal((tokens, heads, head_size)), "float16", backend)
+    s_a = to_device(np.ascontiguousarray(rng.standard_normal((tokens, heads)).astype(np.float32)), "float32", backend).T
+    s_b = to_device(rng.standard_normal((heads, tokens)), "float32", backend)
+    grad_v = to_device(rng.standard_normal((tokens, heads, head_size)), "float32", backend)
+    got = cm.merge_state_backward(v_a, s_a, v_b, s_b, grad_v)
+    want = reference.merge_state_backward(*(to_host(x) for x in (v_a, s_a, v_b, s_b, grad_v)))
+    for index, what in enumerate(["v_a", "s_a", "v_b", "s_b"]):
+        _close(got[index], want[index], "float16", f"grad of {what}")
+    assert got[4] is None
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_the_ragged_gradients_zero_the_rows_no_token_owns(rng, with_sinks):
+    import cupy
+
+    counts = np.array([3, 0, 1, 6])
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    rows, heads, head_size = int(indptr[-1]) + 2, 4, 64  # two trailing rows no token owns
+    v = to_device(rng.standard_normal((rows, heads, head_size)), "bfloat16")
+    s = to_device(rng.standard_normal((heads, rows)) * 2, "float32")
+    grad_v = to_device(rng.standard_normal((len(counts), heads, head_size)), "bfloat16")
+    grad_s = to_device(rng.standard_normal((heads, len(counts))), "float32")
+    sinks = to_device(rng.standard_normal(heads), "float32") if with_sinks else None
+    got = cm.merge_states_varlen_backward(v, s, cupy.asarray(indptr), grad_v, grad_s, sinks=sinks)
+    want = reference.merge_states_varlen_backward(to_host(v), to_host(s), indptr, to_host(grad_v), to_host(grad_s),
+                                                  sinks=None if sinks is None else to_host(sinks))  # fmt: skip
+    _close(got[0], want[0], "bfloat16", "grad of v")
+    _close(got[1], want[1], "bfloat16", "grad of s")
+    assert (to_host(got[0])[-2:] == 0).all()
+    if with_sinks:
+        _close(got[2], want[2], "bfloat16", "grad of the sinks")
+
+
+def test_zero_weight_states_with_nan_values_get_zero_gradients(rng):
+    v = rng.standard_normal((5, 4, 2, 32)).astype(np.float32)
+    s = rng.standard_normal((5, 2, 4)).astype(np.float32)
+    v[2] = np.nan
+    s[2] = -3.0e38
+    got_v, got_s, _ = backward.merge_states_backward(
+        to_device(v, "float32"), to_device(s, "float32"), to_device(rng.standard_normal((4, 2, 32)), "float32"),
+        to_device(rng.standard_normal((2, 4)), "float32"),
+    )  # fmt: skip
+    got_v, got_s = to_host(got_v), to_host(got_s)
+    assert np.isfinite(got_v).all() and np.isfinite(got_s).all()
+    assert (got_v[2] == 0).all() and (got_s[2] == 0).all()
