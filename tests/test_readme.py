@@ -11,7 +11,7 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def test_every_python_block_of_the_readme_parses():
-    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
+    blocks = re.findall(r"```python\n(.*?)```", README, re.DOTALL)
     assert len(blocks) >= 4
     for block in blocks:
         ast.parse(block)
