@@ -262,7 +262,7 @@ def module_instances(module: Module) -> list[str]:
             )
             for vec, group in grouped
             for streaming in (False, True)
-            for in_place in (False, True)
+            for in_place in ((False,) if group else (False, True))  # the group barriers order in-place LSEs
         ]
     return [
         MANY_STRIDED.instance(TIn=a, TOut=b, VEC=vec, SPLIT=split, Index=index, SINKS=sinks)

@@ -176,7 +176,7 @@ def merge_states_varlen(
     """
     v, s, indptr = _host(v, "v"), _host(s, "s"), np.asarray(indptr)
     names = ManyStateOperands("out", "out_lse", "v", "s", "indptr", "sinks")
-    specs = ManyStateOperands(None, None, _spec(v), _spec(s), _spec(indptr))
+    specs = ManyStateOperands(None, None, _spec(v), _spec(s), _spec(indptr, index=True))
     state, total = _checks.check_many_inputs(specs, names)
     check_indptr = _checks.flag(check_indptr, "check_indptr")
     if check_indptr:
@@ -349,7 +349,7 @@ def merge_states_varlen_backward(
     """
     v, s, indptr = _host(v, "v"), _host(s, "s"), np.asarray(indptr)
     names = ManyStateOperands("out", "out_lse", "v", "s", "indptr", "sinks")
-    state, total = _checks.check_many_inputs(ManyStateOperands(None, None, _spec(v), _spec(s), _spec(indptr)), names)
+    state, total = _checks.check_many_inputs(ManyStateOperands(None, None, _spec(v), _spec(s), _spec(indptr, index=True)), names)
     _checks.indptr_values(indptr, total)
     grad_v = _gradient(grad_v, "grad_v", (state.num_tokens, state.num_heads, state.head_size))
     grad_s = _gradient(grad_s, "grad_s", (state.num_heads, state.num_tokens))
@@ -492,10 +492,12 @@ def _host(x: ArrayLike, name: str) -> np.ndarray:
     return array
 
 
-def _spec(array: np.ndarray) -> ArraySpec:
-    """What the GPU merges' shape rules read of a host array: its shape, and a dtype they take
-    (the reference takes any floating dtype and computes in float64)."""
-    dtype = ("int64" if array.itemsize == 8 else "int32") if array.dtype.kind in "iu" else "float32"
+def _spec(array: np.ndarray, index: bool = False) -> ArraySpec:
+    """What the GPU merges' shape rules read of a host array: its shape, and a dtype they take for
+    values and LSEs (the reference takes any floating dtype and computes in float64); offsets keep
+    their own dtype, so that the index rule judges them as the GPU merges do."""
+    floating = array.dtype.kind == "f" or array.dtype.name == "bfloat16"
+    dtype = "float32" if floating and not index else array.dtype.name
     return ArraySpec(array.shape, contiguous_strides(array.shape), dtype, 4, HOST)
 
 

@@ -68,6 +68,8 @@ def plan_checked(operation: _dispatch.Operation, options, views, tuning: _tuning
     if isinstance(views, dict):
         views = record(operation, views)
     planned = _dispatch.plan_for(operation, options, tuning, views)
+    for launch in planned.plan:  # every kernel a plan chooses is compiled in its module
+        assert launch.kernel in cat.module_instances(launch.module), launch.kernel
     if operation.many:
         _checks.check_many_addresses(views, operation.names)
     else:
