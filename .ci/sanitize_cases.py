@@ -1,7 +1,7 @@
 """Kernel cases for compute-sanitizer: seconds under memcheck or racecheck, where the GPU suite takes minutes.
 
-Every N-way kernel shape (packed and strided: split rows of one token, many states of few rows,
-no split, odd head sizes, ragged rows with an empty one), group-scaled FP8 over split rows and the
+Every N-way kernel shape (packed and strided: split rows of one token, many states of few rows
+combined as a tree, no split, odd head sizes, ragged rows with an empty one), group-scaled FP8 over split rows and the
 in-place two-way merge, each checked against the float64 reference. Exit status 1 on a wrong result.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 .ci/sanitize_cases.py
@@ -95,6 +95,15 @@ for packed in (True, False):
                                 sinks=sinks)  # fmt: skip
         want = reference.merge_state(v[0], s[0], v[1], s[1], sinks=sinks.get())[0]
         check(f"sinks two-way packed={packed}", got, want, 1e-5)
+
+# Few rows of many states: narrow blocks whose splits combine as a tree (shuffles, then shared
+# memory; a partial last warp; rows whose packs are not a power of two), with sinks.
+for states, tokens, heads, head_size in ((1024, 1, 32, 128), (301, 2, 8, 64), (9, 3, 1, 32), (700, 1, 2, 96)):
+    v, s = random_states(states, tokens, heads, head_size, lse_shape=(states, heads, tokens))
+    head_sinks = cupy.asarray(rng.standard_normal(heads).astype(numpy.float32))
+    got, _ = cm.merge_states(cupy.asarray(v), cupy.asarray(s), sinks=head_sinks)
+    want = reference.merge_states(v, s, sinks=head_sinks.get())[0]
+    check(f"split tree {states}x{tokens}x{heads}x{head_size}", got, want, 1e-5)
 
 # Gradients: dense, two-way and ragged.
 v, s = random_states(6, 9, 8, 64, lse_shape=(6, 8, 9))

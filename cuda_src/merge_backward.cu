@@ -18,9 +18,10 @@
 // Gradients of the values are written in TIn, of the LSEs in float32; dV is read in TOut (the
 // forward output's dtype), dS (grad_lse, may be null: 0) in float32.
 //
-// Launch: block (lanes, rows_y): `lanes` (a power of two <= 32) threads share a row, striding
-// over its packs; rows_y rows a block; a grid-stride loop over rows. ONE_PACK: every row is at
-// most `lanes` packs, so each thread holds its pack of dV in registers across the states.
+// Launch: block (lanes, rows_y), at most 128 threads: `lanes` (a power of two <= 32) threads share
+// a row, striding over its packs; rows_y rows a block; a grid-stride loop over rows. ONE_PACK:
+// every row is at most `lanes` packs, so each thread holds its pack of dV in registers across
+// the states, which it takes MERGE_CHUNK at a time.
 #include "conversions.cuh"
 #include "packs.cuh"
 #include "grid.cuh"
@@ -38,18 +39,26 @@ __device__ __forceinline__ float row_sum(float x, int lanes, unsigned mask) {
   return x;
 }
 
-template <typename T>
-__device__ __forceinline__ T* state_row(T* first, T* rest, long long i, long long stride_state,
-                                        long long token_first, long long token_rest, long long head_first,
-                                        long long head_rest) {
-  return i == 0 ? first + token_first + head_first : rest + (i - 1) * stride_state + token_rest + head_rest;
-}
+// The offsets of one state array in a row (token and head already applied) and its state stride.
+template <typename Index>
+struct StateOffsets {
+  Index first, rest, stride_state;
+  template <typename T>
+  __device__ __forceinline__ T* at(T* p0, T* p1, Index i) const {
+    return i == 0 ? p0 + first : p1 + (i - 1) * stride_state + rest;
+  }
+};
 
-template <typename TIn, typename TOut, int VEC, bool ONE_PACK, bool RAGGED, bool SINKS>
-__global__ void merge_states_backward(
-    TIn* gv0, TIn* gv1, float* gs0, float* gs1, float* grad_sinks,
-    const TIn* v0, const TIn* v1, const float* s0, const float* s1,
-    const TOut* grad_out, const float* grad_lse, const float* sinks,
+// Index: the integer type of element offsets (int when the host found that every offset fits:
+// 89 registers a thread with long long offsets held the kernel to 31 % occupancy, session 10).
+// Pointers are __restrict__: the gradients are fresh arrays, so a state's loads may be issued
+// before the previous state's stores (states 0 and 1.. of one array are disjoint regions).
+template <typename TIn, typename TOut, int VEC, bool ONE_PACK, bool RAGGED, bool SINKS, typename Index>
+__global__ void __launch_bounds__(128) merge_states_backward(
+    TIn* __restrict__ gv0, TIn* __restrict__ gv1, float* __restrict__ gs0, float* __restrict__ gs1,
+    float* grad_sinks,
+    const TIn* __restrict__ v0, const TIn* __restrict__ v1, const float* __restrict__ s0, const float* __restrict__ s1,
+    const TOut* __restrict__ grad_out, const float* __restrict__ grad_lse, const float* __restrict__ sinks,
     const void* indptr, long long indptr_bytes, long long indptr_stride,
     long long num_states, long long num_tokens, long long num_heads, long long head_size,
     long long v0_stride_token, long long v0_stride_head, long long v1_stride_token, long long v1_stride_head,
@@ -67,17 +76,19 @@ __global__ void merge_states_backward(
   using OutPack = Pack<TOut, VEC>;
   launch_dependents();
   const int lane = threadIdx.x;
-  const long long packs = head_size / VEC;
+  const Index packs = static_cast<Index>(head_size / VEC);
+  const int row_lanes = static_cast<int>(lanes);
   const float to_natural = lse_to_natural(lse_base_2);
   const float ln2_if_base_2 = lse_base_2 ? kLn2 : 1.0f;
-  const long long rows = num_tokens * num_heads;
+  const Index heads = static_cast<Index>(num_heads);
+  const Index rows = static_cast<Index>(num_tokens) * heads;
   const unsigned row_mask =
       lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u) << ((threadIdx.y * static_cast<unsigned>(lanes)) & 31u);
   wait_for_inputs();
-  for (long long row = static_cast<long long>(blockIdx.x) * blockDim.y + threadIdx.y; row < rows;
-       row += static_cast<long long>(gridDim.x) * blockDim.y) {
-    const long long token = row / num_heads, head = row - token * num_heads;
-    long long first = 0, count = num_states;
+  for (Index row = static_cast<Index>(blockIdx.x) * blockDim.y + threadIdx.y; row < rows;
+       row += static_cast<Index>(gridDim.x) * blockDim.y) {
+    const Index token = row / heads, head = row - token * heads;
+    Index first = 0, count = static_cast<Index>(num_states);
     bool bad = false;
     if constexpr (RAGGED) {
       long long begin, end;
@@ -89,85 +100,121 @@ __global__ void merge_states_backward(
         end = static_cast<const int*>(indptr)[(token + 1) * indptr_stride];
       }
       bad = begin < 0 || end < begin || end > num_states;
-      first = bad ? 0 : begin;
-      count = bad ? 0 : end - begin;
+      first = bad ? 0 : static_cast<Index>(begin);
+      count = bad ? 0 : static_cast<Index>(end - begin);
     }
-    // Rows of the token's states: in a ragged batch the token's own offset moves into the state index.
-    const long long t0 = RAGGED ? 0 : token;
-    auto lse_of = [&](long long i) {
-      const long long r = first + i;
-      return empty_if_inf(*state_row(s0, s1, r, s_stride_state, t0 * s0_stride_token, t0 * s1_stride_token,
-                                     head * s0_stride_head, head * s1_stride_head)) * to_natural;
-    };
-    // S from the LSEs (every lane reads the same words: one transaction each).
-    const float sink = sink_logit<SINKS>(sinks, static_cast<int>(sinks_stride), head);
-    float top = sink == positive_infinity() ? negative_infinity() : sink;
-    bool broken = bad || is_nan(sink);
-    for (long long i = 0; i < count; ++i) {
-      const float s = lse_of(i);
-      broken |= is_nan(s);
-      top = fmaxf(top, s);
-    }
-    float total = 0.0f;
-    if (top != negative_infinity()) {
-      for (long long i = 0; i < count; ++i) total += exp_weight(lse_of(i) - top);
-      if constexpr (SINKS) total += exp_weight(sink - top);
-    }
-    const float S = sink == positive_infinity() ? positive_infinity()
-                    : top == negative_infinity() ? negative_infinity()
-                                                 : top + __logf(total);
+    // Offsets of the token's states: in a ragged batch the token's own offset moves into the
+    // state index (rows first .. first + count - 1).
+    const Index t0 = RAGGED ? 0 : token;
+    const StateOffsets<Index> lse_at = {
+        static_cast<Index>(t0 * s0_stride_token + head * s0_stride_head),
+        static_cast<Index>(t0 * s1_stride_token + head * s1_stride_head), static_cast<Index>(s_stride_state)};
+    const StateOffsets<Index> v_at = {
+        static_cast<Index>(t0 * v0_stride_token + head * v0_stride_head),
+        static_cast<Index>(t0 * v1_stride_token + head * v1_stride_head), static_cast<Index>(v_stride_state)};
+    const StateOffsets<Index> gv_at = {
+        static_cast<Index>(t0 * gv0_stride_token + head * gv0_stride_head),
+        static_cast<Index>(t0 * gv1_stride_token + head * gv1_stride_head), static_cast<Index>(gv_stride_state)};
+    const StateOffsets<Index> gs_at = {
+        static_cast<Index>(t0 * gs0_stride_token + head * gs0_stride_head),
+        static_cast<Index>(t0 * gs1_stride_token + head * gs1_stride_head), static_cast<Index>(gs_stride_state)};
+    auto lse_of = [&](Index i) { return empty_if_inf(*lse_at.at(s0, s1, first + i)) * to_natural; };
+    // Loads that need nothing of S go first, so that their round trips overlap the LSEs'.
     const float dS = grad_lse == nullptr ? 0.0f
                                          : grad_lse[head * grad_lse_stride_head + token * grad_lse_stride_token] / ln2_if_base_2;
     const OutPack* dV_row = grad_out == nullptr ? nullptr
                             : reinterpret_cast<const OutPack*>(grad_out + token * grad_out_stride_token + head * grad_out_stride_head);
     OutPack held = {};
     if (ONE_PACK && dV_row != nullptr && lane < packs) held = dV_row[lane];
+    // S from the LSEs (every lane reads the same words: one transaction each).
+    const float sink = sink_logit<SINKS>(sinks, static_cast<int>(sinks_stride), head);
+    float top = sink == positive_infinity() ? negative_infinity() : sink;
+    bool broken = bad || is_nan(sink);
+    for (Index i = 0; i < count; ++i) {
+      const float s = lse_of(i);
+      broken |= is_nan(s);
+      top = fmaxf(top, s);
+    }
+    float total = 0.0f;
+    if (top != negative_infinity()) {
+      for (Index i = 0; i < count; ++i) total += exp_weight(lse_of(i) - top);
+      if constexpr (SINKS) total += exp_weight(sink - top);
+    }
+    const float S = sink == positive_infinity() ? positive_infinity()
+                    : top == negative_infinity() ? negative_infinity()
+                                                 : top + __logf(total);
     auto weight_of = [&](float s) {
       return broken ? quiet_nan() : (S == negative_infinity() || S == positive_infinity()) ? 0.0f : exp_weight(s - S);
     };
+    // State i's value gradient w_i dV, and its share w_i <dV, V_i> of <dV, V>, kept (until <dV, V>
+    // is known) by lane i % lanes, which finishes it below: every lane holds d_i (row_sum is a
+    // butterfly), so the finishing loop runs on all the row's lanes.
     float dot_v = 0.0f;  // <dV, V>
-#pragma unroll 4
-    for (long long i = 0; i < count; ++i) {
-      const long long r = first + i;
-      const float w = weight_of(lse_of(i));
-      const InPack* vi = reinterpret_cast<const InPack*>(
-          state_row(v0, v1, r, v_stride_state, t0 * v0_stride_token, t0 * v1_stride_token, head * v0_stride_head,
-                    head * v1_stride_head));
-      InPack* gvi = reinterpret_cast<InPack*>(
-          state_row(gv0, gv1, r, gv_stride_state, t0 * gv0_stride_token, t0 * gv1_stride_token,
-                    head * gv0_stride_head, head * gv1_stride_head));
-      float partial = 0.0f;
-      for (long long p = lane; p < packs; p += lanes) {
-        const OutPack dv = ONE_PACK ? held : dV_row != nullptr ? dV_row[p] : OutPack{};
-        const InPack x = load_pack(vi + p);
-        InPack g;
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const float d = to_float(dv.v[k]);
-          partial = fmaf(d, to_float(x.v[k]), partial);
-          g.v[k] = from_float<TIn>(w == 0.0f ? 0.0f : w * d);
-        }
-        store_pack(gvi + p, g);
-      }
-      const float d_i = row_sum(partial, static_cast<int>(lanes), row_mask);
+    auto finish_state = [&](Index i, float w, float partial) {
+      const float d_i = row_sum(partial, row_lanes, row_mask);
       const float term = w == 0.0f ? 0.0f : w * d_i;  // a zero-weight state's NaN values add nothing
       dot_v += term;
-      if (lane == 0) {
-        *state_row(gs0, gs1, r, gs_stride_state, t0 * gs0_stride_token, t0 * gs1_stride_token,
-                   head * gs0_stride_head, head * gs1_stride_head) = term;  // finished below
+      if ((i & (row_lanes - 1)) == lane) *gs_at.at(gs0, gs1, first + i) = term;
+    };
+    if constexpr (ONE_PACK) {
+      // MERGE_CHUNK states at a time: their LSEs and packs loaded together, then used (one round
+      // trip a chunk; a short chunk re-reads its last state).
+      const bool has_pack = lane < packs;
+#pragma unroll 1
+      for (Index i0 = 0; i0 < count; i0 += MERGE_CHUNK) {
+        float w[MERGE_CHUNK];
+        InPack x[MERGE_CHUNK];
+#pragma unroll
+        for (int j = 0; j < MERGE_CHUNK; ++j) {
+          const Index i = min(i0 + j, count - 1);
+          w[j] = weight_of(lse_of(i));
+          x[j] = has_pack ? load_pack(reinterpret_cast<const InPack*>(v_at.at(v0, v1, first + i)) + lane) : InPack{};
+        }
+#pragma unroll
+        for (int j = 0; j < MERGE_CHUNK; ++j) {
+          if (i0 + j >= count) break;  // uniform across the row
+          float partial = 0.0f;
+          InPack g;
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const float d = to_float(held.v[k]);
+            partial = fmaf(d, to_float(x[j].v[k]), partial);
+            g.v[k] = from_float<TIn>(w[j] == 0.0f ? 0.0f : w[j] * d);
+          }
+          if (has_pack) store_pack(reinterpret_cast<InPack*>(gv_at.at(gv0, gv1, first + i0 + j)) + lane, g);
+          finish_state(i0 + j, w[j], partial);
+        }
+      }
+    } else {
+#pragma unroll 4
+      for (Index i = 0; i < count; ++i) {
+        const float w = weight_of(lse_of(i));
+        const InPack* vi = reinterpret_cast<const InPack*>(v_at.at(v0, v1, first + i));
+        InPack* gvi = reinterpret_cast<InPack*>(gv_at.at(gv0, gv1, first + i));
+        float partial = 0.0f;
+        for (Index p = lane; p < packs; p += row_lanes) {
+          const OutPack dv = dV_row != nullptr ? dV_row[p] : OutPack{};
+          const InPack x = load_pack(vi + p);
+          InPack g;
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const float d = to_float(dv.v[k]);
+            partial = fmaf(d, to_float(x.v[k]), partial);
+            g.v[k] = from_float<TIn>(w == 0.0f ? 0.0f : w * d);
+          }
+          store_pack(gvi + p, g);
+        }
+        finish_state(i, w, partial);
       }
     }
-    if (lane != 0) continue;
-    for (long long i = 0; i < count; ++i) {
-      const long long r = first + i;
-      float* gsi = state_row(gs0, gs1, r, gs_stride_state, t0 * gs0_stride_token, t0 * gs1_stride_token,
-                             head * gs0_stride_head, head * gs1_stride_head);
+    for (Index i = lane; i < count; i += row_lanes) {
+      float* gsi = gs_at.at(gs0, gs1, first + i);
       const float w = weight_of(lse_of(i));
       const float natural = w == 0.0f ? 0.0f : *gsi + w * (dS - dot_v);
       *gsi = broken ? quiet_nan() : natural * ln2_if_base_2;
     }
     if constexpr (SINKS) {
-      if (!bad) {
+      if (lane == 0 && !bad) {
         const float w_z = broken ? quiet_nan() : S == positive_infinity() ? 1.0f
                           : S == negative_infinity() ? 0.0f : exp_weight(sink - S);
         const float d_z = w_z == 0.0f ? 0.0f : w_z * (dS - dot_v);

@@ -128,6 +128,27 @@ struct Partial {
     }
   }
 
+  // Folds in one other partial (the block-wide tree of combine_splits takes them a pair at a time).
+  __device__ __forceinline__ void merge(const Partial& other) {
+    any_nan |= other.any_nan;
+    const float base = rebase(fmaxf(lse_max, other.lse_max));
+    const float weight = exp_weight(other.lse_max - base);  // 0 for an empty partial (its sums are 0)
+    sum = fmaf(other.sum, weight, sum);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) acc[k] = weight == 0.0f ? acc[k] : fmaf(other.acc[k], weight, acc[k]);
+  }
+
+  // The partial `delta` lanes down the warp (lanes in `mask` only).
+  __device__ __forceinline__ Partial shuffled_down(unsigned mask, int delta) const {
+    Partial other;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) other.acc[k] = __shfl_down_sync(mask, acc[k], delta);
+    other.sum = __shfl_down_sync(mask, sum, delta);
+    other.lse_max = __shfl_down_sync(mask, lse_max, delta);
+    other.any_nan = __shfl_down_sync(mask, static_cast<int>(any_nan), delta) != 0;
+    return other;
+  }
+
   // Folds in an attention sink: a state of value 0 and LSE `sink` (natural log). -inf is no
   // sink; NaN breaks the row; +inf takes all the weight (values 0, LSE +inf).
   __device__ __forceinline__ void add_sink(float sink) {
@@ -247,6 +268,35 @@ __device__ __forceinline__ void fold_row(Partial<VEC>& part, const float* row_ls
   }
 }
 
+// The partials of a block's `splits` thread rows (threadIdx.y; `packs` threads a row,
+// threadIdx.x), combined pack by pack into split 0's, as a tree: at level h, split y with
+// y % 2h == 0 folds in split y + h. Levels whose pairs lie within a warp (a power-of-two
+// row of at most 16 threads) exchange by shuffles; the rest through `shared`
+// ([splits - 1][packs] partials), one barrier a level: a level's writers (y % 2h == h) are
+// done after it, and the next level's (y % 4h == 2h) write slots no one reads before the
+// next barrier. log2(splits) steps instead of the splits - 1 a serial combine by split 0
+// takes: with few rows a block holds up to 1024 / packs splits (docs/PERF.md, session 10).
+// Every thread of the block must call it.
+template <int VEC>
+__device__ __forceinline__ void combine_splits(Partial<VEC>& part, Partial<VEC>* shared, int split, int splits,
+                                               int packs) {
+  int h = 1;
+  if ((packs & (packs - 1)) == 0 && packs <= 16) {
+    const int thread = split * packs + static_cast<int>(threadIdx.x);
+    const int lanes = min(32, splits * packs - (thread & ~31));  // a block's last warp may be partial
+    const unsigned mask = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
+    for (; h < splits && 2 * h * packs <= 32; h *= 2) {
+      const Partial<VEC> other = part.shuffled_down(mask, h * packs);
+      if (split % (2 * h) == 0 && split + h < splits) part.merge(other);
+    }
+  }
+  for (; h < splits; h *= 2) {
+    if (split % (2 * h) == h) shared[(split - 1) * packs + threadIdx.x] = part;
+    __syncthreads();
+    if (split % (2 * h) == 0 && split + h < splits) part.merge(shared[(split + h - 1) * packs + threadIdx.x]);
+  }
+}
+
 // SPLIT: whether the block's z threads share rows (the instantiation without it
 // has no barrier or shared memory at all; blockDim.z is then 1). Index: the
 // integer type of element offsets, int when the host found that every offset
@@ -345,7 +395,7 @@ namespace cupy_merge {
 // round trip more a chunk, and measured 1-9 points of copy speed slower: session 6, run 2.)
 //
 // SPLIT: the block's y threads take every splits-th chunk of a row's states and
-// combine their partial sums in shared memory (many states, few rows).
+// combine their partial sums (combine_splits: many states, few rows).
 // RAGGED: rows come from indptr (the dense instantiation never reads it).
 // GROUPED: an FP8 output with a scale per group of packs, as in
 // merge_two_states_packed (the group maxima follow the partials in shared memory).
@@ -410,13 +460,9 @@ __global__ void merge_many_states_packed(
   fold_row(part, row_lse, column, split * MERGE_CHUNK, splits * MERGE_CHUNK, count, lse_stride_state, v_stride_state,
            to_natural, true);
   if constexpr (SPLIT) {
-    // Uniform across the block: every thread reaches the barrier.
-    if (split > 0) shared_partials[(split - 1) * block_packs + threadIdx.x] = part;
-    __syncthreads();
-    if (split == 0) {
-      part.combine(shared_partials + threadIdx.x, splits - 1, block_packs);
-    } else if constexpr (!GROUPED) {
-      return;
+    combine_splits(part, shared_partials, split, splits, block_packs);  // uniform across the block
+    if constexpr (!GROUPED) {
+      if (split != 0) return;
     }
   }
   const bool writes = valid && split == 0;

@@ -180,7 +180,7 @@ RANK_SCALE = KernelFamily(
 BACKWARD = KernelFamily(
     BACKWARD_SOURCE,
     "merge_states_backward",
-    ("TIn", "TOut", "VEC", "ONE_PACK", "RAGGED", "SINKS"),
+    ("TIn", "TOut", "VEC", "ONE_PACK", "RAGGED", "SINKS", "Index"),
     (
         "gv0", "gv1", "gs0", "gs1", "grad_sinks", "v0", "v1", "s0", "s1", "grad_out", "grad_lse", "sinks",
         "indptr", "indptr_bytes", "indptr_stride", "num_states", "num_tokens", "num_heads", "head_size",
@@ -237,10 +237,11 @@ def module_instances(module: Module) -> list[str]:
     a, b, sinks = module.in_dtype, module.out_dtype, module.sinks
     if module.source == BACKWARD_SOURCE:
         return [
-            BACKWARD.instance(TIn=a, TOut=b, VEC=vec, ONE_PACK=one, RAGGED=ragged, SINKS=sinks)
+            BACKWARD.instance(TIn=a, TOut=b, VEC=vec, ONE_PACK=one, RAGGED=ragged, SINKS=sinks, Index=index)
             for vec in vector_widths(a, b)
             for one in (False, True)
             for ragged in (False, True)
+            for index in INDEX_TYPES
         ]
     if module.source == RANKS_SOURCE:
         return [

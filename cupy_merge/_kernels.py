@@ -27,6 +27,7 @@ import hashlib
 import importlib.resources
 import json
 import logging
+import math
 import multiprocessing
 import os
 import pathlib
@@ -303,6 +304,7 @@ class Function(NamedTuple):
     pointer: int  # CUfunction
     context: int  # the CUcontext it was loaded in: current for the device when launched
     keep_alive: object
+    max_threads: int = 1024  # a block's, as its registers allow
 
 
 _loaded: dict[tuple[cat.Module, int], tuple[object, dict[str, str]]] = {}
@@ -345,7 +347,9 @@ def get_function(module: cat.Module, kernel: str, device: int) -> Function:
                     loaded = _loaded.setdefault((module, device), _load(module, device))
                 binary, names = loaded
                 found = binary.get_function(names[kernel])  # type: ignore[attr-defined]
-                function = Function(found.ptr, cupy.cuda.driver.ctxGetCurrent(), found)
+                driver = cupy.cuda.driver
+                max_threads = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, found.ptr)
+                function = Function(found.ptr, driver.ctxGetCurrent(), found, max_threads)
                 _functions[key] = function
     return function
 
@@ -427,6 +431,11 @@ def prepare(launch: KernelLaunch, device: int, addresses: dict[str, int], progra
     """Look up (compile) ``launch``'s kernel on ``device`` and pack its arguments with ``addresses``
     (operand field -> device address; an output still to be allocated may be missing: patched later)."""
     function = get_function(launch.module, launch.kernel, device)
+    if math.prod(launch.block) > function.max_threads:  # a planner bug, named before a launch fails
+        raise RuntimeError(
+            f"cupy_merge: {launch.kernel} takes at most {function.max_threads} threads a block on device "
+            f"{device}, the plan asked for {launch.block}; please report this"
+        )
     values = numpy.array(launch.args, dtype=numpy.int64)
     for slot, field, offset in launch.pointers:
         address = addresses.get(field, 0)

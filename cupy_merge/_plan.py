@@ -391,11 +391,8 @@ def plan_many_states(
     if grouped or _packed_kernel_fits(vec, widths, index, head_size, [out, v], tuning):
         geometry = _packed_geometry(state, vec)
         group = _group_geometry(specs.output_block_scale, group_size, vec)
-        splits = choose_state_splits(num_states, geometry["total_packs"], chunk, tuning)
-        threads_x = _group_block(
-            max(tuning.min_row_threads, tuning.packed_many_threads // splits), group["packs_per_group"]
-        )
-        splits = max(1, min(splits, CUDA_BLOCK_LIMIT // threads_x))
+        row_states = num_states if indptr is None else -(-num_states // num_tokens)  # ragged: the mean
+        threads_x, splits = choose_packed_block(geometry["total_packs"], row_states, group["packs_per_group"], tuning)
         grid = (-(-geometry["total_packs"] // threads_x), 1, 1)
         strides = {
             "out_stride_token": _in_packs(out.strides[0], num_tokens, vec),
@@ -440,16 +437,48 @@ def _partial_bytes(vec: int) -> int:
     return (vec + 3) * 4
 
 
-def choose_state_splits(num_states: int, row_threads: int, chunk: int, tuning: Tuning) -> int:
+def choose_packed_block(
+    total_packs: int, row_states: int, packs_per_group: int, tuning: Tuning
+) -> tuple[int, int]:
+    """The packed N-way kernel's block: (packs, splits of each pack's states).
+
+    Enough splits that the grid holds ``busy_threads`` threads (at most one
+    chunk of states a split, ``packed_max_splits``); ``packed_many_threads``
+    threads a block, at least ``min_row_threads`` packs wide. With few rows the
+    block narrows (down to ``min_pack_threads`` packs) while there would be
+    fewer than ``min_blocks`` blocks and it holds more than
+    ``packed_many_threads`` threads: a decode step's rows of hundreds of states
+    spread over the multiprocessors, and one of 16 states keeps its one block of
+    128 threads (faster: session 10's sweep). The splits then fill at most
+    ``packed_block_limit`` threads. A block holds whole FP8 groups.
+    """
+    splits = choose_state_splits(
+        row_states, total_packs, tuning.merge_chunk, tuning, tuning.packed_max_splits
+    )
+    packs = max(tuning.min_row_threads, tuning.packed_many_threads // splits)
+    while (
+        packs > tuning.min_pack_threads
+        and -(-total_packs // packs) < tuning.min_blocks
+        and packs * splits > tuning.packed_many_threads
+    ):
+        packs //= 2
+    limit = tuning.packed_block_limit
+    packs = _group_block(packs, packs_per_group, limit)
+    return packs, max(1, min(splits, limit // packs))
+
+
+def choose_state_splits(
+    num_states: int, row_threads: int, chunk: int, tuning: Tuning, max_splits: int | None = None
+) -> int:
     """How many thread groups share one row's states.
 
     One group suffices when rows alone give ``busy_threads`` threads; otherwise
     the states of a row are split, up to one chunk per group and ``max_splits``
-    groups (measured in docs/PERF.md).
+    groups (default ``tuning.max_splits``; measured in docs/PERF.md).
     """
     wanted = -(-tuning.busy_threads // max(row_threads, 1))
     useful = -(-num_states // chunk)
-    return max(1, min(wanted, useful, tuning.max_splits))
+    return max(1, min(wanted, useful, tuning.max_splits if max_splits is None else max_splits))
 
 
 def _state_offset(spec: ArraySpec, index: int) -> int:
@@ -514,8 +543,13 @@ def plan_backward(
             f"{array}0_stride_head": head_first, f"{array}1_stride_head": head_rest,
             f"{array}0_stride_token": token_first, f"{array}1_stride_token": token_rest,
         })  # fmt: skip
+    index = index_type(
+        [v, specs.s, specs.grad_v, specs.grad_s, specs.v_b, specs.s_b, specs.grad_v_b, specs.grad_s_b],
+        num_tokens * num_heads,
+        num_states,
+    )
     template = {"TIn": state.dtype, "TOut": grad_out.dtype, "VEC": vec, "ONE_PACK": packs <= lanes,
-                "RAGGED": ragged, "SINKS": specs.sinks is not None}  # fmt: skip
+                "RAGGED": ragged, "SINKS": specs.sinks is not None, "Index": index}  # fmt: skip
     return (_launch(cat.BACKWARD, module, template, grid, (lanes, rows_y, 1), 0, args),)
 
 

@@ -39,8 +39,17 @@ class Tuning:
     busy_threads: int = 128 * 1024
     max_splits: int = 16
     max_block_threads: int = 256
-    #: The packed N-way kernel's fewest threads across rows in a block.
+    #: The packed N-way kernel's fewest threads across rows in a block...
     min_row_threads: int = 32
+    #: ... unless that leaves fewer than min_blocks blocks (few rows): then blocks narrow, down to
+    #: min_pack_threads packs, and take more splits (up to packed_max_splits, combined as a tree:
+    #: few tokens with hundreds of states, session 10).
+    min_blocks: int = 128
+    min_pack_threads: int = 4
+    packed_max_splits: int = 256
+    #: The packed N-way kernel's largest block: its split instantiations take more than the 64
+    #: registers a thread that a 1024-thread block allows (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES).
+    packed_block_limit: int = 512
     #: States the N-way kernels load per memory round trip (MERGE_CHUNK): best among 2, 4 and 8 for
     #: the strided kernel (session 3), among 2 and 4 for the packed one (session 4, sweep 1).
     merge_chunk: int = 4

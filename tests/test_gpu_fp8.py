@@ -284,7 +284,7 @@ def test_group_scales_take_any_strides_and_an_all_zero_group_stays_finite(rng):
 
 
 @pytest.mark.parametrize("group", [None, 128, 32])
-@pytest.mark.parametrize("num_states, tokens", [(3, 100), (16, 2), (64, 16), (2, 50)])
+@pytest.mark.parametrize("num_states, tokens", [(3, 100), (16, 2), (64, 16), (2, 50), (700, 1)])
 def test_merge_states_writes_fp8(rng, num_states, tokens, group):
     heads, head_size = 8, 128
     v = to_device(rng.standard_normal((num_states, tokens, heads, head_size)) * 2, "bfloat16")

@@ -419,3 +419,48 @@ def test_both_kernel_families_and_both_offset_widths_agree(rng, num_states, plan
     want = reference.merge_states(to_host(v), to_host(s))
     for variant in (packed, narrow, wide):
         _expect(*variant, *want, "float16")
+
+
+#: (tokens, heads, head_size, states): few rows, so the packed kernel's blocks narrow and
+#: split each pack's states many ways, combined as a tree (shuffles, then shared memory).
+WIDE_SPLIT_CASES = [
+    (1, 32, 128, 1024),  # 4 packs x 128 splits: three shuffle levels, four through shared memory
+    (2, 8, 64, 301),  # 76 splits: not a power of two
+    (3, 1, 32, 9),  # 42 packs (not a power of two: no shuffles) x 3 splits, 12 of the packs real
+    (1, 2, 96, 4100),  # rows of 12 packs, states past the splits' last chunk
+]
+
+
+def _with_empty_and_broken_states(rng, s, v):
+    """Empty states (-inf and +inf, with NaN values) scattered over ``s`` [states, heads, tokens]
+    and ``v`` [states, tokens, heads, head_size]; one NaN LSE in head 0's first token."""
+    kind = rng.integers(0, 20, size=s.shape)
+    s[kind == 0] = -np.inf
+    s[kind == 1] = np.inf
+    s[-1, 0, 0] = np.nan
+    v[np.swapaxes(np.isinf(s), 1, 2)] = np.nan
+    return s, v
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("case", WIDE_SPLIT_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_few_rows_of_many_states_combine_their_splits_as_a_tree(rng, case, dtype, sinks):
+    tokens, heads, head_size, states = case
+    backend = backend_for(dtype)
+    s, v = _with_empty_and_broken_states(
+        rng, _lse(rng, states, heads, tokens), rng.standard_normal((states, tokens, heads, head_size))
+    )
+    v_dev, s_dev = to_device(v, dtype, backend), to_device(s, "float32", backend)
+    sink = (rng.standard_normal(heads) * 3).astype(np.float32) if sinks else None
+    sink_dev = to_device(sink, "float32", backend) if sinks else None
+    out, out_lse = _empty_outputs(tokens, heads, head_size, dtype, backend)
+    cm.merge_states(v_dev, s_dev, out=out, out_lse=out_lse, sinks=sink_dev)
+    want_v, want_s = reference.merge_states(to_host(v_dev), s, sinks=sink)
+    got_v, got_s = to_host(out), to_host(out_lse)
+    np.testing.assert_array_equal(np.isnan(got_v), np.isnan(want_v))  # the NaN row, and only it
+    np.testing.assert_array_equal(np.isnan(got_s), np.isnan(want_s))
+    assert np.isnan(got_s[0, 0]) and np.isfinite(got_s[:, 1:]).all() and np.isfinite(got_s[1:]).all()
+    finite = np.isfinite(want_v)
+    assert relative_error(got_v[finite], want_v[finite]) <= TOLERANCE[dtype]
+    assert relative_error(got_s[np.isfinite(want_s)], want_s[np.isfinite(want_s)]) <= 1e-6

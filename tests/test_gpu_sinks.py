@@ -149,7 +149,9 @@ def test_nan_and_infinite_sinks(rng, kernels):
         two_v, two_s = (to_host(x) for x in cm.merge_state(v[0], s[0], v[1], s[1], sinks=sinks))
     plain_v, _ = reference.merge_states(to_host(v), to_host(s))
     assert np.isnan(got_v[:, 0]).all() and np.isnan(got_s[0]).all()
-    np.testing.assert_allclose(got_v[:, 1], plain_v[:, 1], rtol=1e-5)  # -inf: no sink
+    # -inf: no sink (relative to the row's norm: an element near zero after cancellation is off
+    # by a few float32 ulps of the larger terms, seen once in ~2000 runs)
+    assert relative_error(got_v[:, 1], plain_v[:, 1]) <= 1e-5
     assert (got_v[:, 2] == 0).all() and np.isposinf(got_s[2]).all()  # +inf: all the weight
     assert np.isnan(two_v[:, 0]).all() and (two_v[:, 2] == 0).all() and np.isposinf(two_s[2]).all()
 

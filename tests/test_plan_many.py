@@ -234,6 +234,33 @@ def test_few_rows_split_their_states_over_more_threads(packed, states, tokens, e
     assert splits == expected and math.prod(plan.block) <= 1024
 
 
+@pytest.mark.parametrize(
+    "states, tokens, heads, block",
+    [
+        (1024, 1, 32, (4, 128, 1)),  # 512 packs: 128 blocks of 4 packs, each split 128 ways
+        (4096, 1, 32, (4, 128, 1)),  # the block holds no more (packed_block_limit): 8 chunks a split
+        (1024, 2, 32, (8, 64, 1)),  # 1024 packs: 128 blocks of 8, fewer splits
+        (256, 8, 32, (32, 16, 1)),  # 4096 packs fill 128 blocks of 32 packs
+        (64, 1, 32, (8, 16, 1)),  # narrowed to 128 threads a block
+        (16, 1, 32, (32, 4, 1)),  # a decode step of 16 states: one block of 128 threads
+        (8, 4, 8, (64, 2, 1)),  # two splits of one chunk each
+    ],
+)
+def test_few_rows_take_narrow_blocks_of_many_splits(states, tokens, heads, block):
+    views = _dense(
+        v=_view((states, tokens, heads, 128), ptr=3 << 32),
+        s=_view((states, heads, tokens), "float32", ptr=4 << 32),
+        out=_view((tokens, heads, 128), ptr=1 << 32),
+        out_lse=_view((heads, tokens), "float32", ptr=2 << 32),
+    )
+    plan = _plan(views)
+    assert plan.block == block
+    packs = tokens * heads * 16
+    assert plan.grid == (-(-packs // block[0]), 1, 1)
+    assert plan.shared_bytes == (block[1] - 1) * block[0] * (8 + 3) * 4 <= 48 * 1024
+    assert math.prod(block) <= _tuning.DEFAULT.packed_block_limit
+
+
 @pytest.mark.parametrize("states", [2, 6])  # two dense states are planned as the two-way kernel
 def test_plans_put_the_output_pointers_where_fresh_outputs_are_patched_in(states):
     views = _dense(

@@ -33,21 +33,31 @@ TWO_VARIANTS = {
     "t64": {"packed_two_threads": 64},
     "cs-loads": {"packed_streaming_below": 2**62},
     "plain-loads": {"packed_streaming_below": 0},
-    "no-pdl": {"programmatic_launch": False},
+    "pdl": {"programmatic_launch": True},
 }
 #: (states, tokens, heads, head_size); states < 0: ragged with 0..-2*states states a token.
 MANY_CASES = [
     (16, 1, 32, 128), (64, 1, 32, 128), (8, 4, 8, 128), (16, 64, 32, 128), (64, 64, 32, 128), (8, 256, 32, 128), (4, 4096, 32, 128),
     (256, 16, 32, 128), (16, 1024, 32, 128), (8, 8192, 32, 128), (16, 2048, 8, 128), (3, 8192, 32, 128),
-    (-16, 512, 32, 128), (-8, 4096, 32, 128),
+    (256, 1, 32, 128), (1024, 1, 32, 128), (4096, 1, 32, 128), (1024, 2, 32, 128), (256, 8, 32, 128), (4096, 8, 32, 128),
+    (1024, 1, 8, 128),
+    (-16, 512, 32, 128), (-8, 4096, 32, 128), (-100, 64, 32, 128), (-200, 64, 32, 128), (-100, 512, 32, 128),
+    (-200, 512, 32, 128),
 ]  # fmt: skip
 MANY_VARIANTS = {
     "strided": {"packed_kernels": False},
     "packed": {},
+    "split16": {"packed_max_splits": 16, "min_blocks": 0},  # session 9's blocks (its serial combine is gone)
+    "split64": {"packed_max_splits": 64},
+    "blocks64": {"min_blocks": 64},
+    "blocks256": {"min_blocks": 256},
+    "pack2": {"min_pack_threads": 2},
+    "pack8": {"min_pack_threads": 8},
     "head-blocks": {"packed_many_threads": 64, "min_row_threads": 16},
+    "chunk2": {"merge_chunk": 2},
     "chunk8": {"merge_chunk": 8},
     "busy2x": {"busy_threads": 2 * _tuning.DEFAULT.busy_threads},  # twice the splits where rows are few
-    "no-pdl": {"programmatic_launch": False},
+    "pdl": {"programmatic_launch": True},
 }
 
 
