@@ -1,73 +1,254 @@
-"""``python -m cupy_merge.bench``: the merge against the same-bytes copy, torch, and host overhead.
+"""python -m cupy_merge.bench: every merge of the library against a copy of the same bytes, in one table.
 
-For each case (bfloat16 unless named) it measures, in one run:
+Each row is one case (cupy_merge/tools/bench_cases.py lists them): two-way, N-way and ragged
+merges, FP8 outputs (per-tensor and group scales), the same with attention sinks, and the
+gradients. All times are CUDA-event medians in microseconds, after warm-up, with the L2 flushed
+before each repetition (cupy_merge/tools/timing.py), measured in one run:
 
-* ``merge_us``: this library's kernel, CUDA events, median, L2 flushed before each repetition;
-* ``copy_us``: a device-to-device copy moving the same number of bytes (read + write), the ceiling;
-* ``torch_us``: the same formula in eager torch, when torch is installed;
-* ``compiled_us``: that formula through ``torch.compile`` (skip with ``--no-compile``);
-* ``graph_us``: the merge replayed from a CUDA graph (torch), which removes host cost;
-* host overhead per call, without synchronisation, for CuPy arrays and torch tensors
-  (batches of 256 calls, fewer than the launch queue holds, so the GPU never throttles
-  the host; the median batch): ``host_*_us`` calls ``merge_attn_states`` each time,
-  ``bound_*_us`` relaunches a merge bound once with ``cupy_merge.bind``;
+  merge_us         this library, native layout (the gradients as a user calls them, allocating)
+  copy_us          a device-to-device copy moving the same bytes (read + write): the ceiling
+  pct_of_copy      100 * copy_us / merge_us;  gbps: bytes moved / merge_us;  mbytes: the bytes
+  torch_us         the same formula in eager torch, where there is one (FP8: and its quantisation)
+  compiled_us      that formula through torch.compile (two-way; --no-compile skips it)
+  graph_us         the merge replayed from a torch CUDA graph (two-way): no host cost
+  chained_us       an N-way merge as chained two-way merges (up to 64 states)
+  unfused_us       FP8: a merge to bfloat16, then a separate one-pass per-tensor quantisation
+  baseline_us      sinks rows: the same merge without sinks, timed alternately with it;
+  overhead_pct     100 * (merge_us - baseline_us) / baseline_us, the sinks' cost
+  flashinfer_us    with --flashinfer: FlashInfer's kernel on its own layout (token-major, base-2 LSE)
+  cm_fi_layout_us  this library on FlashInfer's layout (strided views, lse_base=2)
+  fi_over_cm       flashinfer_us / the better of merge_us and cm_fi_layout_us: above 1, ours is faster
+  maxdiff          the largest |FlashInfer - ours| of the merged values, checked once a case
 
-then, for N-way and ragged merges, ``merge_states`` against the same-bytes copy,
-chained two-way merges and eager torch; and for FP8 outputs (bfloat16 in), the
-fused merge with a per-tensor scale and with group scales (128 elements)
-against its own bytes' copy and against the unfused way, a merge to bfloat16
-then a separate one-pass quantisation (``unfused_us``; the per-tensor pass, the
-cheapest any separate quantisation can be) or eager torch's (``torch_unfused_us``).
+A second table gives host time per call (no synchronisation; batches of 256 calls, fewer than
+the launch queue holds; the median batch) at decode sizes: merge_attn_states on CuPy arrays
+and torch tensors (host_*), a merge bound once with cupy_merge.bind (bound_*), merge_state
+allocating (alloc_torch_us), and the yardsticks cupy.add / torch.add, into out= and allocating.
 
-Usage: ``python -m cupy_merge.bench [--quick] [--no-compile] [--out results.csv|.json] [--plot plot.png]``
+--flashinfer DIR builds DIR/fi_merge.cu (a C ABI over FlashInfer's header-only merge kernels in
+DIR/include) with nvcc for this GPU into a temporary library and loads it with ctypes; it needs
+torch and nvcc, and no FlashInfer code is part of this package. Without it the FlashInfer
+columns are '-'.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import ctypes
+import datetime
+import importlib.metadata
 import json
+import math
+import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import cupy
 import numpy
 
-from .. import bind, merge_attn_states, merge_state, merge_states, merge_states_varlen
+from .. import (
+    bind,
+    merge_attn_states,
+    merge_state,
+    merge_state_backward,
+    merge_states,
+    merge_states_backward,
+    merge_states_varlen,
+    merge_states_varlen_backward,
+)
 from .._arrays import cupy_dtype
+from .._version import __version__
+from .bench_cases import (
+    FAMILIES,
+    FP8_GROUP,
+    HOST,
+    Case,
+    all_cases,
+    flashinfer_supports,
+    host_cases,
+    ragged_indptr,
+    traffic_bytes,
+)
+from .bench_cases import select as select_cases
 from .timing import median_ms
 
-DEFAULT_CASES = [
-    (1, 32, 128), (16, 32, 128), (64, 32, 128), (256, 32, 128), (613, 16, 96),
-    (1024, 32, 128), (4096, 32, 128), (8192, 32, 128), (16384, 32, 128), (32768, 32, 128),
-    (4096, 128, 128), (8192, 128, 128), (4096, 32, 64), (4096, 32, 256), (8192, 16, 512),
+# ---------------------------------------------------------------------------------------------
+# Rows and tables (pure)
+
+
+def _time(x: float) -> str:
+    return f"{x:.2f}" if x < 1000 else f"{x:.0f}"
+
+
+def _mbytes(x: float) -> str:
+    return f"{x:.3f}" if x < 1 else f"{x:.1f}"
+
+
+#: The merge table: (column, formatter); every row has these keys or lacks them ('-').
+COLUMNS: list[tuple[str, Callable[[Any], str]]] = [
+    ("family", str), ("case", str), ("mbytes", _mbytes),
+    ("merge_us", _time), ("copy_us", _time), ("pct_of_copy", "{:.1f}".format), ("gbps", "{:.0f}".format),
+    ("torch_us", _time), ("compiled_us", _time), ("graph_us", _time), ("chained_us", _time),
+    ("unfused_us", _time), ("baseline_us", _time), ("overhead_pct", "{:+.1f}".format),
+    ("flashinfer_us", _time), ("cm_fi_layout_us", _time), ("fi_over_cm", "{:.2f}".format),
+    ("maxdiff", "{:.1e}".format),
 ]  # fmt: skip
-EXTRA_DTYPE_CASES = [(4096, 32, 128, "float16"), (4096, 32, 128, "float32")]
-QUICK_CASES = [(1, 32, 128), (64, 32, 128), (1024, 32, 128), (8192, 32, 128), (8192, 128, 128)]
-#: (num_states, tokens, heads, head_size), bfloat16; ragged cases have 0..2*mean states per token.
-MANY_CASES = [
-    (16, 64, 32, 128),
-    (64, 64, 32, 128),
-    (4, 4096, 32, 128),
-    (8, 8192, 32, 128),
-    (16, 1024, 32, 128),
-    (64, 256, 32, 128),
-    (256, 16, 32, 128),
-]
-QUICK_MANY_CASES = [(16, 64, 32, 128), (4, 4096, 32, 128)]
-RAGGED_CASES = [(8, 1024, 32, 128), (16, 4096, 32, 128)]  # (mean states per token, tokens, heads, head_size)
-#: (tokens, heads, head_size), bfloat16 in, FP8 out; 128 heads as vLLM's measurement of its fused op.
-FP8_CASES = [
-    (1, 128, 128),
-    (64, 32, 128),
-    (1024, 128, 128),
-    (4096, 32, 128),
-    (8192, 32, 128),
-    (16384, 32, 128),
-]
-QUICK_FP8_CASES = [(1, 128, 128), (1024, 128, 128), (8192, 32, 128)]
+#: The host-cost table (microseconds of host time per call).
+HOST_COLUMNS: list[tuple[str, Callable[[Any], str]]] = [
+    ("case", str), ("host_cupy_us", _time), ("host_torch_us", _time), ("bound_cupy_us", _time),
+    ("bound_torch_us", _time), ("alloc_torch_us", _time), ("add_cupy_us", _time), ("add_torch_us", _time),
+    ("add_alloc_torch_us", _time),
+]  # fmt: skip
+_TEXT_COLUMNS = {"family", "case"}
+
+
+def overhead_pct(with_us: float, without_us: float) -> float:
+    """The added time in percent: ``100 * (with_us - without_us) / without_us``."""
+    return 100 * (with_us - without_us) / without_us
+
+
+def finish_row(row: dict) -> dict:
+    """Add the derived columns (pct_of_copy, gbps, overhead_pct, fi_over_cm) to a row of times."""
+    merge_us = row.get("merge_us")
+    if merge_us:
+        if row.get("copy_us"):
+            row["pct_of_copy"] = 100 * row["copy_us"] / merge_us
+        row["gbps"] = row["mbytes"] * 1e6 / merge_us / 1e3
+        if row.get("baseline_us"):
+            row["overhead_pct"] = overhead_pct(merge_us, row["baseline_us"])
+        if row.get("flashinfer_us"):
+            ours = min(t for t in (merge_us, row.get("cm_fi_layout_us")) if t)
+            row["fi_over_cm"] = row["flashinfer_us"] / ours
+    return row
+
+
+def _cell(value: Any, fmt: Callable[[Any], str]) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return fmt(value)
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, Callable[[Any], str]]] | None = None) -> str:
+    """A header line and one line per row; text columns left-aligned, numbers right; '-' where missing."""
+    columns = COLUMNS if columns is None else columns
+    table = [[name for name, _ in columns]]
+    table += [[_cell(row.get(name), fmt) for name, fmt in columns] for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    return "\n".join(
+        " ".join(
+            f"{cell:<{width}}" if name in _TEXT_COLUMNS else f"{cell:>{width}}"
+            for cell, width, (name, _) in zip(line, widths, columns)
+        ).rstrip()
+        for line in table
+    )
+
+
+def cuda_version_string(version: int) -> str:
+    """CUDA's integer version (12080) as ``12.8``."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def environment_line(env: dict) -> str:
+    """One line: date, GPU, driver, CUDA runtime and the versions of cupy, torch and cupy-merge."""
+    return (
+        f"{env.get('date', '?')} | {env.get('gpu', '?')} | driver {env.get('driver', '?')} | "
+        f"CUDA runtime {env.get('cuda_runtime', '?')} | cupy {env.get('cupy', '?')} | "
+        f"torch {env.get('torch', 'not installed')} | cupy-merge {env.get('cupy_merge', '?')}"
+    )
+
+
+def nvcc_command(directory: str, arch: str, output: str, nvcc: str = "nvcc") -> list[str]:
+    """The command that builds ``directory/fi_merge.cu`` into the shared library ``output``."""
+    return [
+        nvcc, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared",
+        "-Xcompiler", "-fPIC", "-I", os.path.join(directory, "include"),
+        os.path.join(directory, "fi_merge.cu"), "-o", output,
+    ]  # fmt: skip
+
+
+def find_nvcc() -> str | None:
+    """nvcc on the PATH, else in ``$CUDA_HOME/bin`` or ``/usr/local/cuda/bin``."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
+            return os.path.join(home, "bin", "nvcc")
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (``--help`` prints this module's docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m cupy_merge.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="a few cases of each family only")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    parser.add_argument(
+        "--only",
+        metavar="FAMILIES",
+        type=_families,
+        help=f"comma-separated families to run, of: {', '.join(FAMILIES + (HOST,))}",
+    )
+    parser.add_argument(
+        "--flashinfer",
+        metavar="DIR",
+        help="time FlashInfer beside: DIR holds fi_merge.cu and include/ (built with nvcc; needs torch)",
+    )
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="time the cross-rank strategies instead (run under torchrun, one rank per GPU)",
+    )
+    parser.add_argument("--out", metavar="FILE", help="write the rows to FILE.csv or FILE.json")
+    parser.add_argument(
+        "--plot", metavar="FILE", help="write a PNG of %% of copy (and FI/cm) against traffic"
+    )
+    return parser
+
+
+def _families(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in FAMILIES + (HOST,)]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown families {unknown or [text]}; expected some of {', '.join(FAMILIES + (HOST,))}"
+        )
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line; a bad option exits with status 2."""
+    return build_parser().parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and timers
+
+
+@dataclass
+class Context:
+    """What every case's measurement needs: torch (None without it), FlashInfer, options."""
+
+    torch: Any = None
+    flashinfer: FlashInfer | None = None
+    compile_torch: bool = True
+    quantise: Any = None
+
+
+LOG2_E = 1 / math.log(2)
+#: A FlashInfer / cupy-merge difference above this (bfloat16 steps are 1/64 at 2..4) is reported.
+MAXDIFF_WARNING = 0.125
 
 
 def _torch():
@@ -79,47 +260,218 @@ def _torch():
         return None
 
 
-def _states(tokens, heads, head_size, dtype, torch):
-    """Random inputs and outputs as torch tensors when torch is there (any dtype), else CuPy."""
-    if torch is not None:
-        tdtype = getattr(torch, dtype)
-        v = [torch.randn(tokens, heads, head_size, device="cuda", dtype=tdtype) for _ in range(3)]
-        s = [torch.randn(heads, tokens, device="cuda") * 4 for _ in range(3)]
-    else:
-        v = [
-            cupy.random.standard_normal((tokens, heads, head_size), dtype=cupy.float32).astype(dtype)
-            for _ in range(3)
-        ]
-        s = [cupy.random.standard_normal((heads, tokens), dtype=cupy.float32) * 4 for _ in range(3)]
-    return v, s
+def _randn(ctx: Context, shape, dtype: str = "bfloat16", scale: float = 1.0):
+    """Random normal values: a torch tensor when torch is there, else a CuPy array."""
+    if ctx.torch is not None:
+        return (
+            ctx.torch.randn(shape, device="cuda", dtype=ctx.torch.float32)
+            .mul_(scale)
+            .to(getattr(ctx.torch, dtype))
+        )
+    return (cupy.random.standard_normal(shape, dtype=cupy.float32) * scale).astype(cupy_dtype(dtype))
 
 
-def _traffic_bytes(tokens, heads, head_size, itemsize) -> int:
-    values = tokens * heads * head_size * itemsize
-    lse = tokens * heads * 4
-    return 3 * values + 3 * lse  # read two states, write one
+def _empty(ctx: Context, shape, dtype: str = "bfloat16"):
+    if ctx.torch is not None:
+        return ctx.torch.empty(shape, device="cuda", dtype=getattr(ctx.torch, dtype))
+    return cupy.empty(shape, dtype=cupy_dtype(dtype))
 
 
-def _host_us_per_call(call, batch=256, batches=40) -> float:
-    """Median host time per call over batches short enough never to fill the launch queue."""
-    for _ in range(batch):
-        call()
-    times = []
-    for _ in range(batches):
-        cupy.cuda.runtime.deviceSynchronize()
+def _device_indptr(ctx: Context, case: Case):
+    host = ragged_indptr(case.states, case.tokens)
+    return ctx.torch.as_tensor(host, device="cuda") if ctx.torch is not None else cupy.asarray(host)
+
+
+def _us(run: Callable[[], object]) -> float:
+    """Median microseconds of ``run()`` (CUDA events, L2 flushed)."""
+    return median_ms(run) * 1e3
+
+
+def _paired_us(a: Callable[[], object], b: Callable[[], object], rounds: int = 3) -> tuple[float, float]:
+    """Medians of ``a`` and ``b`` timed alternately, ``rounds`` times each: drift hits both alike."""
+    times_a, times_b = [], []
+    for _ in range(rounds):
+        times_a.append(_us(a))
+        times_b.append(_us(b))
+    return statistics.median(times_a), statistics.median(times_b)
+
+
+def _copy_us(traffic: int) -> float:
+    """A device-to-device copy of ``traffic / 2`` bytes: ``traffic`` bytes read and written."""
+    src = cupy.empty(max(traffic // 2, 1), dtype=cupy.uint8)
+    dst = cupy.empty_like(src)
+    return _us(lambda: dst.__setitem__(Ellipsis, src))
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashInfer beside (optional)
+
+
+class FlashInfer:
+    """FlashInfer's bfloat16 merges through the C ABI of ``fi_merge.cu``, on torch's current stream.
+
+    Its layouts: values ``[tokens, heads, head_size]`` (N-way ``[tokens, states, heads,
+    head_size]``), LSE base 2 ``[tokens, heads]`` (N-way ``[tokens, states, heads]``).
+    Each call returns CUDA's error code (0 for success).
+    """
+
+    def __init__(self, library: ctypes.CDLL, torch):
+        p, u = ctypes.c_void_p, ctypes.c_uint
+        self.torch = torch
+        self._two = library.fi_merge_state_bf16
+        self._two.argtypes = [p] * 6 + [u] * 3 + [p]
+        self._many = library.fi_merge_states_bf16
+        self._many.argtypes = [p] * 4 + [u] * 4 + [p]
+        self._varlen = library.fi_varlen_bf16
+        self._varlen.argtypes = [p] * 5 + [u] * 3 + [p]
+        for function in (self._two, self._many, self._varlen):
+            function.restype = ctypes.c_int
+
+    def _stream(self) -> int:
+        return self.torch.cuda.current_stream().cuda_stream
+
+    def merge_state(self, v_a, s_a, v_b, s_b, v_out, s_out) -> int:
+        tokens, heads, head_size = v_a.shape
+        pointers = (x.data_ptr() for x in (v_a, s_a, v_b, s_b, v_out, s_out))
+        return self._two(*pointers, tokens, heads, head_size, self._stream())
+
+    def merge_states(self, v, s, v_out, s_out) -> int:
+        tokens, states, heads, head_size = v.shape
+        pointers = (x.data_ptr() for x in (v, s, v_out, s_out))
+        return self._many(*pointers, states, tokens, heads, head_size, self._stream())
+
+    def varlen(self, v, s, indptr, v_out, s_out) -> int:
+        tokens, heads, head_size = v_out.shape
+        pointers = (x.data_ptr() for x in (v, s, indptr, v_out, s_out))
+        return self._varlen(*pointers, tokens, heads, head_size, self._stream())
+
+
+def load_flashinfer(directory: str, torch) -> FlashInfer | None:
+    """Build ``directory/fi_merge.cu`` for this GPU with nvcc and load it; None (and why) if it cannot be."""
+    if torch is None:
+        print("--flashinfer needs torch with CUDA: FlashInfer columns left out", file=sys.stderr)
+        return None
+    nvcc = find_nvcc()
+    if nvcc is None:
+        print("--flashinfer needs nvcc (PATH, CUDA_HOME): FlashInfer columns left out", file=sys.stderr)
+        return None
+    arch = cupy.cuda.Device().compute_capability
+    folder = tempfile.mkdtemp(prefix="cupy_merge_fi_")
+    try:
+        library_path = os.path.join(folder, "fi_merge.so")
         start = time.perf_counter()
-        for _ in range(batch):
-            call()
-        times.append((time.perf_counter() - start) / batch * 1e6)
-    cupy.cuda.runtime.deviceSynchronize()
-    return statistics.median(times)
+        built = subprocess.run(
+            nvcc_command(directory, arch, library_path, nvcc), check=False, capture_output=True, text=True
+        )
+        if built.returncode != 0:
+            print(f"building FlashInfer failed:\n{built.stderr[-2000:]}", file=sys.stderr)
+            return None
+        print(
+            f"FlashInfer kernels built for sm_{arch} in {time.perf_counter() - start:.0f} s", file=sys.stderr
+        )
+        return FlashInfer(ctypes.CDLL(library_path), torch)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # a loaded library stays mapped
 
 
-def _torch_eager(torch, out, v_a, s_a, v_b, s_b):
+def _flashinfer_columns(torch, fi_call, cm_call, fi_out, cm_out) -> dict:
+    """FlashInfer and ours on its layout: checked against each other once, then timed."""
+    status = fi_call()
+    if status != 0:
+        raise RuntimeError(f"FlashInfer's launcher returned CUDA error {status}")
+    cm_call()
+    torch.cuda.synchronize()
+    maxdiff = (cm_out.float() - fi_out.float()).abs().max().item()
+    return {"flashinfer_us": _us(fi_call), "cm_fi_layout_us": _us(cm_call), "maxdiff": maxdiff}
+
+
+def _with_flashinfer(ctx: Context, case: Case, row: dict, columns: Callable[[FlashInfer], dict]) -> None:
+    """Fill the FlashInfer columns of ``row`` where FlashInfer takes the case; a failure only blanks them."""
+    if ctx.flashinfer is None or not flashinfer_supports(case):
+        return
+    try:
+        row.update(columns(ctx.flashinfer))
+    except Exception as error:  # noqa: BLE001 - FlashInfer's failure only blanks its columns
+        print(f"\nFlashInfer, {case.label}: {type(error).__name__}: {error}", file=sys.stderr)
+    if row.get("maxdiff", 0) > MAXDIFF_WARNING or math.isnan(row.get("maxdiff", 0)):
+        print(
+            f"\nFlashInfer and cupy-merge disagree on {case.label}: max |diff| {row['maxdiff']}",
+            file=sys.stderr,
+        )
+
+
+def _fi_two_way(fi: FlashInfer, v_a, s_a, v_b, s_b) -> dict:
+    torch, (heads, tokens) = fi.torch, s_a.shape
+    sa, sb = ((s * LOG2_E).T.contiguous() for s in (s_a, s_b))  # [tokens, heads], base 2
+    fi_out, fi_lse = torch.empty_like(v_a), torch.empty(tokens, heads, device="cuda")
+    cm_out, cm_lse = torch.empty_like(v_a), torch.empty(heads, tokens, device="cuda")
+    return _flashinfer_columns(
+        torch,
+        lambda: fi.merge_state(v_a, sa, v_b, sb, fi_out, fi_lse),
+        lambda: merge_state(v_a, sa.T, v_b, sb.T, out=cm_out, out_lse=cm_lse, lse_base=2),
+        fi_out,
+        cm_out,
+    )
+
+
+def _fi_n_way(fi: FlashInfer, v, s) -> dict:
+    torch, (tokens, heads, head_size) = fi.torch, v.shape[1:]
+    v_fi = v.transpose(0, 1).contiguous()  # [tokens, states, heads, head_size]
+    s_fi = (s * LOG2_E).permute(2, 0, 1).contiguous()  # [tokens, states, heads], base 2
+    fi_out = torch.empty(tokens, heads, head_size, device="cuda", dtype=v.dtype)
+    fi_lse = torch.empty(tokens, heads, device="cuda")
+    cm_out, cm_lse = torch.empty_like(fi_out), torch.empty(heads, tokens, device="cuda")
+    return _flashinfer_columns(
+        torch,
+        lambda: fi.merge_states(v_fi, s_fi, fi_out, fi_lse),
+        lambda: merge_states(
+            v_fi.transpose(0, 1), s_fi.permute(1, 2, 0), out=cm_out, out_lse=cm_lse, lse_base=2
+        ),
+        fi_out,
+        cm_out,
+    )
+
+
+def _fi_ragged(fi: FlashInfer, v, s, indptr, tokens: int) -> dict:
+    torch, (heads, head_size) = fi.torch, v.shape[1:]
+    s_fi = (s * LOG2_E).T.contiguous()  # [rows, heads], base 2
+    fi_out = torch.empty(tokens, heads, head_size, device="cuda", dtype=v.dtype)
+    fi_lse = torch.empty(tokens, heads, device="cuda")
+    cm_out, cm_lse = torch.empty_like(fi_out), torch.empty(heads, tokens, device="cuda")
+    return _flashinfer_columns(
+        torch,
+        lambda: fi.varlen(v, s_fi, indptr, fi_out, fi_lse),
+        lambda: merge_states_varlen(
+            v, s_fi.T, indptr, out=cm_out, out_lse=cm_lse, lse_base=2, check_indptr=False
+        ),
+        fi_out,
+        cm_out,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The families' measurements: each returns the row's times (merge_us and its extras)
+
+
+def _torch_merge_float(torch, v_a, s_a, v_b, s_b):
+    """The two-way formula in eager torch, float32 ``[tokens, heads, head_size]``."""
     lse = torch.logaddexp(s_a, s_b)
     w_a = torch.exp(s_a - lse).T.unsqueeze(-1)
     w_b = torch.exp(s_b - lse).T.unsqueeze(-1)
-    out.copy_(w_a * v_a.float() + w_b * v_b.float())
+    return w_a * v_a.float() + w_b * v_b.float()
+
+
+def _torch_eager(torch, out, v_a, s_a, v_b, s_b):
+    out.copy_(_torch_merge_float(torch, v_a, s_a, v_b, s_b))
+
+
+def _torch_eager_many(torch, v, s):
+    """The N-way formula in eager torch: ``v`` [N, T, H, D], ``s`` [N, H, T]."""
+    lse_max = s.amax(0)
+    weights = torch.exp(s - lse_max)
+    total = weights.sum(0)
+    out = torch.einsum("nht,nthd->thd", weights / total, v.float())
+    return out.to(v.dtype), lse_max + torch.log(total)
 
 
 _compiled: dict[str, Any] = {}
@@ -131,7 +483,7 @@ def _torch_compiled_us(torch, out, v_a, s_a, v_b, s_b) -> float:
         if "merge" not in _compiled:
             _compiled["merge"] = torch.compile(lambda *a: _torch_eager(torch, *a), dynamic=True)
         compiled = _compiled["merge"]
-        return median_ms(lambda: compiled(out, v_a, s_a, v_b, s_b)) * 1e3
+        return _us(lambda: compiled(out, v_a, s_a, v_b, s_b))
     except Exception as error:  # noqa: BLE001 - any compiler failure only blanks this column
         print(f"\ntorch.compile failed: {type(error).__name__}: {str(error)[:200]}", file=sys.stderr)
         _compiled["merge"] = None
@@ -144,142 +496,128 @@ def _graph_us(torch, call) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    return median_ms(graph.replay) * 1e3
+    return _us(graph.replay)
 
 
-def run_case(tokens, heads, head_size, dtype, torch, compile_torch=True) -> dict:
-    (v_a, v_b, out), (s_a, s_b, out_lse) = _states(tokens, heads, head_size, dtype, torch)
-    itemsize = v_a.element_size() if torch is not None else v_a.itemsize
-    traffic = _traffic_bytes(tokens, heads, head_size, itemsize)
+def _two_way_inputs(ctx: Context, case: Case):
+    shape, lse_shape = (case.tokens, case.heads, case.head_size), (case.heads, case.tokens)
+    v_a, v_b = (_randn(ctx, shape, case.dtype) for _ in range(2))
+    s_a, s_b = (_randn(ctx, lse_shape, "float32", 4.0) for _ in range(2))
+    return v_a, s_a, v_b, s_b
+
+
+def _two_way(ctx: Context, case: Case) -> dict:
+    v_a, s_a, v_b, s_b = _two_way_inputs(ctx, case)
+    out, out_lse = _empty(ctx, v_a.shape, case.dtype), _empty(ctx, s_a.shape, "float32")
 
     def merge():
         merge_attn_states(out, v_a, s_a, v_b, s_b, out_lse)
 
-    copy_src = cupy.empty(traffic // 2, dtype=cupy.uint8)
-    copy_dst = cupy.empty_like(copy_src)
-    # torch's default stream and CuPy's null stream are both the legacy default stream, so the
-    # events, the merge (on torch's stream) and the copy (on CuPy's) share one queue.
-    row = {"tokens": tokens, "heads": heads, "head_size": head_size, "dtype": dtype, "mbytes": traffic / 1e6}
-    row["merge_us"] = median_ms(merge) * 1e3
-    row["copy_us"] = median_ms(lambda: copy_dst.__setitem__(Ellipsis, copy_src)) * 1e3
-    row["merge_gbps"] = traffic / row["merge_us"] / 1e3
-    row["pct_of_copy"] = 100 * row["copy_us"] / row["merge_us"]
+    row = {"merge_us": _us(merge)}
+    torch = ctx.torch
     if torch is not None:
-        row["torch_us"] = median_ms(lambda: _torch_eager(torch, out, v_a, s_a, v_b, s_b)) * 1e3
-        if compile_torch and _compiled.get("merge", True) is not None:
+        row["torch_us"] = _us(lambda: _torch_eager(torch, out, v_a, s_a, v_b, s_b))
+        if ctx.compile_torch and _compiled.get("merge", True) is not None:
             row["compiled_us"] = _torch_compiled_us(torch, out, v_a, s_a, v_b, s_b)
         row["graph_us"] = _graph_us(torch, merge)
-        if tokens <= 64:
-            row["host_torch_us"] = _host_us_per_call(merge)
-            row["bound_torch_us"] = _host_us_per_call(
-                bind(merge_attn_states, out, v_a, s_a, v_b, s_b, out_lse)
-            )
-            row["alloc_torch_us"] = _host_us_per_call(lambda: merge_state(v_a, s_a, v_b, s_b))
-            # The yardsticks: one elementwise op of torch's on the same tensors, into out and allocating.
-            row["add_torch_us"] = _host_us_per_call(lambda: torch.add(v_a, v_b, out=out))
-            row["add_alloc_torch_us"] = _host_us_per_call(lambda: torch.add(v_a, v_b))
-    if tokens <= 64:
-        arrays = [cupy.from_dlpack(x) for x in (out, v_a, s_a, v_b, s_b, out_lse)] if torch else None
-        row["host_cupy_us"] = _host_us_per_call(lambda: merge_attn_states(*arrays) if arrays else merge())
-        bound = (
-            bind(merge_attn_states, *arrays)
-            if arrays
-            else bind(merge_attn_states, out, v_a, s_a, v_b, s_b, out_lse)
-        )
-        row["bound_cupy_us"] = _host_us_per_call(bound)
-        c_out, c_a, c_b = (cupy.empty((tokens, heads, head_size), cupy.float16) for _ in range(3))
-        row["add_cupy_us"] = _host_us_per_call(lambda: cupy.add(c_a, c_b, out=c_out))
+    _with_flashinfer(ctx, case, row, lambda fi: _fi_two_way(fi, v_a, s_a, v_b, s_b))
     return row
 
 
-COLUMNS = [
-    ("tokens", "{:>6}"), ("heads", "{:>5}"), ("head_size", "{:>4}"), ("dtype", "{:<8}"), ("mbytes", "{:>8.1f}"),
-    ("merge_us", "{:>9.1f}"), ("copy_us", "{:>9.1f}"), ("pct_of_copy", "{:>6.1f}"), ("merge_gbps", "{:>6.0f}"),
-    ("torch_us", "{:>9.1f}"), ("compiled_us", "{:>11.1f}"), ("graph_us", "{:>9.1f}"), ("host_cupy_us", "{:>7.1f}"), ("host_torch_us", "{:>7.1f}"),
-    ("bound_cupy_us", "{:>7.1f}"), ("bound_torch_us", "{:>7.1f}"), ("add_cupy_us", "{:>7.1f}"),
-    ("add_torch_us", "{:>7.1f}"), ("alloc_torch_us", "{:>7.1f}"), ("add_alloc_torch_us", "{:>7.1f}"),
-]  # fmt: skip
-
-
-def _torch_eager_many(torch, v, s):
-    """The N-way formula in eager torch: ``v`` [N, T, H, D], ``s`` [N, H, T]."""
-    lse_max = s.amax(0)
-    weights = torch.exp(s - lse_max)
-    total = weights.sum(0)
-    out = torch.einsum("nht,nthd->thd", weights / total, v.float())
-    return out.to(v.dtype), lse_max + torch.log(total)
-
-
-def _random(shape, torch, dtype="bfloat16", scale=1.0):
-    if torch is not None:
-        return torch.randn(shape, device="cuda", dtype=getattr(torch, dtype)) * scale
-    return (
-        cupy.random.standard_normal(shape, dtype=cupy.float32).astype(
-            "float16" if dtype == "bfloat16" else dtype
-        )
-        * scale
+def _two_way_sinks(ctx: Context, case: Case) -> dict:
+    v_a, s_a, v_b, s_b = _two_way_inputs(ctx, case)
+    out, out_lse = _empty(ctx, v_a.shape, case.dtype), _empty(ctx, s_a.shape, "float32")
+    sinks = _randn(ctx, (case.heads,), "float32")
+    with_sinks, without = _paired_us(
+        lambda: merge_attn_states(out, v_a, s_a, v_b, s_b, out_lse, sinks=sinks),
+        lambda: merge_attn_states(out, v_a, s_a, v_b, s_b, out_lse),
     )
+    return {"merge_us": with_sinks, "baseline_us": without}
 
 
-def run_many_case(states, tokens, heads, head_size, torch, ragged=False) -> dict:
-    """One N-way (or ragged, ``states`` then being the mean per token) merge against the copy ceiling."""
-    row = {
-        "kind": "ragged" if ragged else "dense",
-        "states": states,
-        "tokens": tokens,
-        "heads": heads,
-        "head_size": head_size,
-    }
-    if ragged:
-        counts = numpy.random.default_rng(0).integers(0, 2 * states + 1, size=tokens)
-        indptr_host = numpy.concatenate([[0], numpy.cumsum(counts)])
-        total = int(indptr_host[-1])
-        v, s = _random((total, heads, head_size), torch), _random((heads, total), torch, "float32", 4.0)
-        indptr = (
-            torch.as_tensor(indptr_host, device="cuda") if torch is not None else cupy.asarray(indptr_host)
-        )
-        stored_states = total
-    else:
-        v, s = (
-            _random((states, tokens, heads, head_size), torch),
-            _random((states, heads, tokens), torch, "float32", 4.0),
-        )
-        stored_states = states * tokens
-    out, out_lse = _random((tokens, heads, head_size), torch), _random((heads, tokens), torch, "float32")
-    itemsize = 2
-    traffic = (stored_states * heads * (head_size * itemsize + 4)) + tokens * heads * (
-        head_size * itemsize + 4
-    )
-    row["mbytes"] = traffic / 1e6
-    if ragged:
-        row["merge_us"] = (
-            median_ms(lambda: merge_states_varlen(v, s, indptr, out=out, out_lse=out_lse, check_indptr=False))
-            * 1e3
-        )
-    else:
-        row["merge_us"] = median_ms(lambda: merge_states(v, s, out=out, out_lse=out_lse)) * 1e3
+def _two_way_backward(ctx: Context, case: Case) -> dict:
+    v_a, s_a, v_b, s_b = _two_way_inputs(ctx, case)
+    grad_v, grad_s = _randn(ctx, v_a.shape, case.dtype), _randn(ctx, s_a.shape, "float32")
+    return {"merge_us": _us(lambda: merge_state_backward(v_a, s_a, v_b, s_b, grad_v, grad_s))}
+
+
+def _n_way_inputs(ctx: Context, case: Case):
+    v = _randn(ctx, (case.states, case.tokens, case.heads, case.head_size), case.dtype)
+    s = _randn(ctx, (case.states, case.heads, case.tokens), "float32", 4.0)
+    return v, s
+
+
+def _n_way(ctx: Context, case: Case) -> dict:
+    v, s = _n_way_inputs(ctx, case)
+    out, out_lse = _empty(ctx, v.shape[1:], case.dtype), _empty(ctx, s.shape[1:], "float32")
+    row = {"merge_us": _us(lambda: merge_states(v, s, out=out, out_lse=out_lse))}
+    if case.states <= 64:
 
         def chained():
             merge_attn_states(out, v[0], s[0], v[1], s[1], out_lse)
-            for i in range(2, states):
+            for i in range(2, case.states):
                 merge_attn_states(out, out, out_lse, v[i], s[i], out_lse)
 
-        row["chained_us"] = median_ms(chained) * 1e3
-        if torch is not None:
-            row["torch_us"] = median_ms(lambda: _torch_eager_many(torch, v, s)) * 1e3
-    copy_src = cupy.empty(traffic // 2, dtype=cupy.uint8)
-    copy_dst = cupy.empty_like(copy_src)
-    row["copy_us"] = median_ms(lambda: copy_dst.__setitem__(Ellipsis, copy_src)) * 1e3
-    row["merge_gbps"] = traffic / row["merge_us"] / 1e3
-    row["pct_of_copy"] = 100 * row["copy_us"] / row["merge_us"]
+        row["chained_us"] = _us(chained)
+    if ctx.torch is not None:
+        row["torch_us"] = _us(lambda: _torch_eager_many(ctx.torch, v, s))
+    _with_flashinfer(ctx, case, row, lambda fi: _fi_n_way(fi, v, s))
     return row
 
 
-MANY_COLUMNS = [
-    ("kind", "{:<6}"), ("states", "{:>6}"), ("tokens", "{:>6}"), ("heads", "{:>5}"), ("head_size", "{:>4}"),
-    ("mbytes", "{:>8.1f}"), ("merge_us", "{:>9.1f}"), ("copy_us", "{:>9.1f}"), ("pct_of_copy", "{:>6.1f}"),
-    ("merge_gbps", "{:>6.0f}"), ("chained_us", "{:>10.1f}"), ("torch_us", "{:>9.1f}"),
-]  # fmt: skip
+def _n_way_sinks(ctx: Context, case: Case) -> dict:
+    v, s = _n_way_inputs(ctx, case)
+    out, out_lse = _empty(ctx, v.shape[1:], case.dtype), _empty(ctx, s.shape[1:], "float32")
+    sinks = _randn(ctx, (case.heads,), "float32")
+    with_sinks, without = _paired_us(
+        lambda: merge_states(v, s, out=out, out_lse=out_lse, sinks=sinks),
+        lambda: merge_states(v, s, out=out, out_lse=out_lse),
+    )
+    return {"merge_us": with_sinks, "baseline_us": without}
+
+
+def _n_way_backward(ctx: Context, case: Case) -> dict:
+    v, s = _n_way_inputs(ctx, case)
+    grad_v, grad_s = _randn(ctx, v.shape[1:], case.dtype), _randn(ctx, s.shape[1:], "float32")
+    return {"merge_us": _us(lambda: merge_states_backward(v, s, grad_v, grad_s))}
+
+
+def _ragged_inputs(ctx: Context, case: Case):
+    v = _randn(ctx, (case.rows, case.heads, case.head_size), case.dtype)
+    s = _randn(ctx, (case.heads, case.rows), "float32", 4.0)
+    return v, s, _device_indptr(ctx, case)
+
+
+def _ragged(ctx: Context, case: Case) -> dict:
+    v, s, indptr = _ragged_inputs(ctx, case)
+    out = _empty(ctx, (case.tokens, case.heads, case.head_size), case.dtype)
+    out_lse = _empty(ctx, (case.heads, case.tokens), "float32")
+    row = {
+        "merge_us": _us(
+            lambda: merge_states_varlen(v, s, indptr, out=out, out_lse=out_lse, check_indptr=False)
+        )
+    }
+    _with_flashinfer(ctx, case, row, lambda fi: _fi_ragged(fi, v, s, indptr, case.tokens))
+    return row
+
+
+def _ragged_sinks(ctx: Context, case: Case) -> dict:
+    v, s, indptr = _ragged_inputs(ctx, case)
+    out = _empty(ctx, (case.tokens, case.heads, case.head_size), case.dtype)
+    out_lse = _empty(ctx, (case.heads, case.tokens), "float32")
+    sinks = _randn(ctx, (case.heads,), "float32")
+    with_sinks, without = _paired_us(
+        lambda: merge_states_varlen(v, s, indptr, out=out, out_lse=out_lse, check_indptr=False, sinks=sinks),
+        lambda: merge_states_varlen(v, s, indptr, out=out, out_lse=out_lse, check_indptr=False),
+    )
+    return {"merge_us": with_sinks, "baseline_us": without}
+
+
+def _ragged_backward(ctx: Context, case: Case) -> dict:
+    v, s, indptr = _ragged_inputs(ctx, case)
+    grad_v = _randn(ctx, (case.tokens, case.heads, case.head_size), case.dtype)
+    grad_s = _randn(ctx, (case.heads, case.tokens), "float32")
+    return {"merge_us": _us(lambda: merge_states_varlen_backward(v, s, indptr, grad_v, grad_s))}
 
 
 _QUANTISE = r"""
@@ -303,8 +641,19 @@ def _quantiser():
     return cupy.RawModule(code=with_includes(_QUANTISE), options=("-std=c++17",)).get_function("quantise")
 
 
-def run_fp8_case(tokens, heads, head_size, torch, quantise) -> dict:
-    """A merge of two bfloat16 states into FP8: fused (per-tensor, per-group) against unfused."""
+def _torch_fp8(torch, v_a, s_a, v_b, s_b, scale, group: bool):
+    """The merge and its FP8 quantisation in eager torch: per-tensor ``scale`` or per-group amax scales."""
+    merged = _torch_merge_float(torch, v_a, s_a, v_b, s_b)
+    if not group:
+        return (merged / scale).clamp_(-448, 448).to(torch.float8_e4m3fn)
+    groups = merged.reshape(merged.shape[0], -1, FP8_GROUP)
+    scales = groups.abs().amax(-1, keepdim=True).clamp_min_(1e-12) / 448
+    return (groups / scales).to(torch.float8_e4m3fn), scales
+
+
+def _fp8(ctx: Context, case: Case) -> dict:
+    """Two bfloat16 states merged into FP8 (CuPy arrays): fused, unfused, and torch's way."""
+    tokens, heads, head_size = case.tokens, case.heads, case.head_size
     shape = (tokens, heads, head_size)
     v_a, v_b = (
         cupy.random.standard_normal(shape, dtype=cupy.float32).astype(cupy_dtype("bfloat16"))
@@ -315,157 +664,252 @@ def run_fp8_case(tokens, heads, head_size, torch, quantise) -> dict:
     out8 = cupy.empty(shape, cupy.uint8)
     out16 = cupy.empty_like(v_a)
     scale = cupy.array([0.02], cupy.float32)
-    group_scales = cupy.empty((tokens, heads * head_size // 128), cupy.float32)
-    elements = tokens * heads * head_size
-    traffic = elements * (2 + 2 + 1) + tokens * heads * 12
-    row = {"tokens": tokens, "heads": heads, "head_size": head_size, "mbytes": traffic / 1e6}
-    row["fused_us"] = (
-        median_ms(lambda: merge_attn_states(out8, v_a, s_a, v_b, s_b, out_lse, None, scale)) * 1e3
-    )
-    row["fused_group_us"] = median_ms(
-        lambda: merge_attn_states(out8, v_a, s_a, v_b, s_b, out_lse, output_block_scale=group_scales,
-                                  quant_group_size=128)
-    ) * 1e3  # fmt: skip
-    packs = elements // 8
+    group = case.family == "fp8-group"
+    if group:
+        group_scales = cupy.empty((tokens, heads * head_size // FP8_GROUP), cupy.float32)
+        row = {"merge_us": _us(lambda: merge_attn_states(
+            out8, v_a, s_a, v_b, s_b, out_lse, output_block_scale=group_scales, quant_group_size=FP8_GROUP
+        ))}  # fmt: skip
+    else:
+        row = {"merge_us": _us(lambda: merge_attn_states(out8, v_a, s_a, v_b, s_b, out_lse, None, scale))}
+    packs = tokens * heads * head_size // 8
     grid = (-(-packs // 256),)
 
     def unfused():
         merge_attn_states(out16, v_a, s_a, v_b, s_b, out_lse)
-        quantise(grid, (256,), (out16, out8, scale, numpy.int64(packs)))
+        ctx.quantise(grid, (256,), (out16, out8, scale, numpy.int64(packs)))
 
-    row["bf16_us"] = median_ms(lambda: merge_attn_states(out16, v_a, s_a, v_b, s_b, out_lse)) * 1e3
-    row["unfused_us"] = median_ms(unfused) * 1e3
+    row["unfused_us"] = _us(unfused)
+    torch = ctx.torch
     if torch is not None and hasattr(torch, "float8_e4m3fn"):
-        t16, t_a, t_b = (torch.from_dlpack(x) for x in (out16, v_a, v_b))
-        t_sa, t_sb, t_lse, t_scale = (torch.from_dlpack(x) for x in (s_a, s_b, out_lse, scale))
-
-        def torch_unfused():
-            merge_attn_states(t16, t_a, t_sa, t_b, t_sb, t_lse)
-            (t16.float() / t_scale).clamp_(-448, 448).to(torch.float8_e4m3fn)
-
-        row["torch_unfused_us"] = median_ms(torch_unfused) * 1e3
-    copy_src = cupy.empty(traffic // 2, dtype=cupy.uint8)
-    copy_dst = cupy.empty_like(copy_src)
-    row["copy_us"] = median_ms(lambda: copy_dst.__setitem__(Ellipsis, copy_src)) * 1e3
-    row["pct_of_copy"] = 100 * row["copy_us"] / row["fused_us"]
-    row["group_pct_of_copy"] = 100 * row["copy_us"] / row["fused_group_us"]
-    row["unfused_over_fused"] = row["unfused_us"] / row["fused_us"]
+        t_a, t_b, t_sa, t_sb, t_scale = (torch.from_dlpack(x) for x in (v_a, v_b, s_a, s_b, scale))
+        row["torch_us"] = _us(lambda: _torch_fp8(torch, t_a, t_sa, t_b, t_sb, t_scale, group))
     return row
 
 
-FP8_COLUMNS = [
-    ("tokens", "{:>6}"), ("heads", "{:>5}"), ("head_size", "{:>4}"), ("mbytes", "{:>8.1f}"),
-    ("fused_us", "{:>9.1f}"), ("fused_group_us", "{:>9.1f}"), ("copy_us", "{:>9.1f}"), ("pct_of_copy", "{:>6.1f}"),
-    ("group_pct_of_copy", "{:>6.1f}"), ("bf16_us", "{:>9.1f}"), ("unfused_us", "{:>9.1f}"),
-    ("unfused_over_fused", "{:>5.2f}"), ("torch_unfused_us", "{:>9.1f}"),
-]  # fmt: skip
+#: Each family's measurement.
+RUNNERS: dict[str, Callable[[Context, Case], dict]] = {
+    "two-way": _two_way,
+    "n-way": _n_way,
+    "ragged": _ragged,
+    "fp8": _fp8,
+    "fp8-group": _fp8,
+    "two-way+sinks": _two_way_sinks,
+    "n-way+sinks": _n_way_sinks,
+    "ragged+sinks": _ragged_sinks,
+    "two-way-bwd": _two_way_backward,
+    "n-way-bwd": _n_way_backward,
+    "ragged-bwd": _ragged_backward,
+}
 
 
-def format_table(rows: list[dict], columns=None) -> str:
-    """Right-aligned columns, each as wide as its name or its widest cell."""
-    columns = columns or COLUMNS
-    table = [[name for name, _ in columns]]
-    for row in rows:
-        table.append([fmt.format(row[name]) if row.get(name) is not None else "-" for name, fmt in columns])
-    widths = [max(len(line[i].strip()) for line in table) for i in range(len(columns))]
-    return "\n".join(
-        " ".join(f"{cell.strip():>{width}}" for cell, width in zip(line, widths)) for line in table
-    )
+def run_case(ctx: Context, case: Case) -> dict:
+    """One row: the family's times, then the same-bytes copy, then the derived columns.
+
+    A failure is reported on stderr and leaves the row's times '-'.
+    """
+    traffic = traffic_bytes(case)
+    row: dict[str, Any] = {"family": case.family, "case": case.label, "mbytes": traffic / 1e6}
+    try:
+        row.update(RUNNERS[case.family](ctx, case))
+        row["copy_us"] = _copy_us(traffic)
+    except Exception as error:  # noqa: BLE001 - one case's failure is reported, the others still run
+        print(f"\n{case.family} {case.label} failed: {type(error).__name__}: {error}", file=sys.stderr)
+    cupy.cuda.runtime.deviceSynchronize()
+    return finish_row(row)
 
 
-def _write(rows: list[dict], path: str) -> None:
+# ---------------------------------------------------------------------------------------------
+# Host cost per call
+
+
+def _host_us_per_call(call, batch=256, batches=40) -> float:
+    """Median host time per call over batches short enough never to fill the launch queue."""
+    for _ in range(batch):
+        call()
+    times = []
+    for _ in range(batches):
+        cupy.cuda.runtime.deviceSynchronize()
+        start = time.perf_counter()
+        for _ in range(batch):
+            call()
+        times.append((time.perf_counter() - start) / batch * 1e6)
+    cupy.cuda.runtime.deviceSynchronize()
+    return statistics.median(times)
+
+
+def run_host_case(ctx: Context, case: Case) -> dict:
+    """Host microseconds per call of a two-way merge: CuPy and torch, eager, bound, allocating; yardsticks."""
+    v_a, s_a, v_b, s_b = _two_way_inputs(ctx, case)
+    out, out_lse = _empty(ctx, v_a.shape, case.dtype), _empty(ctx, s_a.shape, "float32")
+    arguments = (out, v_a, s_a, v_b, s_b, out_lse)
+    row: dict[str, Any] = {"case": case.label}
+    torch = ctx.torch
+    if torch is not None:
+        row["host_torch_us"] = _host_us_per_call(lambda: merge_attn_states(*arguments))
+        row["bound_torch_us"] = _host_us_per_call(bind(merge_attn_states, *arguments))
+        row["alloc_torch_us"] = _host_us_per_call(lambda: merge_state(v_a, s_a, v_b, s_b))
+        # The yardsticks: one elementwise op of torch's on the same tensors, into out and allocating.
+        row["add_torch_us"] = _host_us_per_call(lambda: torch.add(v_a, v_b, out=out))
+        row["add_alloc_torch_us"] = _host_us_per_call(lambda: torch.add(v_a, v_b))
+        arguments = tuple(cupy.from_dlpack(x) for x in arguments)
+    row["host_cupy_us"] = _host_us_per_call(lambda: merge_attn_states(*arguments))
+    row["bound_cupy_us"] = _host_us_per_call(bind(merge_attn_states, *arguments))
+    c_out, c_a, c_b = (cupy.empty(v_a.shape, cupy.float16) for _ in range(3))
+    row["add_cupy_us"] = _host_us_per_call(lambda: cupy.add(c_a, c_b, out=c_out))
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment, output files, plot
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", "0"]
+        done = subprocess.run(query, check=False, capture_output=True, text=True, timeout=10)
+        return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> dict:
+    """Date, GPU, driver, CUDA runtime and versions, for the line above the table and the plot's title."""
+    runtime = cupy.cuda.runtime
+    device = cupy.cuda.Device()
+    props = runtime.getDeviceProperties(device.id)
+    driver_cuda = cuda_version_string(runtime.driverGetVersion())
+    driver = _nvidia_driver()
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return {
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "gpu": f"{props['name'].decode()} (sm_{device.compute_capability})",
+        "driver": f"{driver} (CUDA {driver_cuda})" if driver else f"CUDA {driver_cuda}",
+        "cuda_runtime": cuda_version_string(runtime.runtimeGetVersion()),
+        "cupy": cupy.__version__,
+        "torch": torch_version,
+        "cupy_merge": __version__,
+    }
+
+
+def write_results(rows: list[dict], host_rows: list[dict], env: dict, path: str) -> None:
+    """JSON: ``{"environment", "rows", "host"}``; CSV: one table, its ``table`` column ``merge`` or ``host``."""
     if path.endswith(".json"):
         with open(path, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"environment": env, "rows": rows, "host": host_rows}, f, indent=1)
         return
-    names = list(dict.fromkeys(name for name, _ in COLUMNS + MANY_COLUMNS + FP8_COLUMNS))
+    names = ["table"] + list(dict.fromkeys(name for name, _ in COLUMNS + HOST_COLUMNS))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=names, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows([{"table": "merge", **row} for row in rows])
+        writer.writerows([{"table": "host", **row} for row in host_rows])
 
 
-def _plot(rows: list[dict], path: str) -> None:
+_MARKERS = "os^vD<>ph*Xd"
+
+
+def plot(rows: list[dict], env: dict, path: str) -> bool:
+    """% of copy against traffic (log x), a marker per family; FI/cm beside where measured. False without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
-        return
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    mb = [r["mbytes"] for r in rows]
-    left.scatter(mb, [r["merge_gbps"] for r in rows], label="merge")
-    left.scatter(mb, [r["mbytes"] * 1e3 / r["copy_us"] for r in rows], marker="x", label="same-bytes copy")
-    left.set(xscale="log", xlabel="traffic (MB)", ylabel="GB/s", title="achieved bandwidth")
-    left.legend()
-    right.scatter(mb, [r["pct_of_copy"] for r in rows])
-    right.axhline(100, color="grey", lw=0.5)
-    right.set(xscale="log", xlabel="traffic (MB)", ylabel="% of copy speed", title="merge vs copy ceiling")
+        print("matplotlib is not installed (pip install 'cupy-merge[bench]'): no plot", file=sys.stderr)
+        return False
+    with_fi = [r for r in rows if r.get("fi_over_cm")]
+    fig, axes = plt.subplots(1, 2 if with_fi else 1, figsize=(13 if with_fi else 8, 5), squeeze=False)
+    left = axes[0][0]
+    for index, family in enumerate(FAMILIES):
+        points = [
+            (r["mbytes"], r["pct_of_copy"]) for r in rows if r["family"] == family and r.get("pct_of_copy")
+        ]
+        if points:
+            left.scatter(*zip(*points), marker=_MARKERS[index % len(_MARKERS)], label=family, alpha=0.8)
+    left.axhline(100, color="grey", lw=0.5)
+    left.set(xscale="log", xlabel="traffic (MB)", ylabel="% of same-bytes copy speed", title="merge vs copy")
+    left.legend(fontsize="small", ncol=2)
+    if with_fi:
+        right = axes[0][1]
+        for index, family in enumerate(FAMILIES):
+            points = [(r["mbytes"], r["fi_over_cm"]) for r in with_fi if r["family"] == family]
+            if points:
+                right.scatter(*zip(*points), marker=_MARKERS[index % len(_MARKERS)], label=family)
+        right.axhline(1, color="grey", lw=0.5)
+        right.set(xscale="log", xlabel="traffic (MB)", ylabel="FlashInfer time / cupy-merge time",
+                  title="FlashInfer / cupy-merge (above 1: cupy-merge faster)")  # fmt: skip
+        right.legend(fontsize="small")
+    fig.suptitle(f"cupy-merge {env.get('cupy_merge')} on {env.get('gpu')}, {env.get('date')}; "
+                 f"cupy {env.get('cupy')}, torch {env.get('torch')}", fontsize="medium")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupy_merge.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few cases only")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
-    parser.add_argument(
-        "--distributed",
-        action="store_true",
-        help="time the cross-rank strategies (run under torchrun, one rank per GPU)",
-    )
-    parser.add_argument("--out", help="write the rows to FILE.csv or FILE.json")
-    parser.add_argument("--plot", help="write a PNG of GB/s and %% of copy speed against size")
-    args = parser.parse_args(argv)
+    """Run the benchmark (or, with --distributed, the cross-rank one); the exit status."""
+    args = parse_args(argv)
     if args.distributed:
         from . import bench_distributed
 
         return bench_distributed.main()
+    if args.flashinfer and not os.path.isfile(os.path.join(args.flashinfer, "fi_merge.cu")):
+        print(f"--flashinfer: no fi_merge.cu in {args.flashinfer}", file=sys.stderr)
+        return 2
     if not cupy.cuda.is_available():
         print("no CUDA device: nothing to benchmark")
         return 0
     torch = _torch()
-    cases: list[tuple[int, int, int, str]] = [
-        (*c, "bfloat16") for c in (QUICK_CASES if args.quick else DEFAULT_CASES)
-    ]
-    if not args.quick:
-        cases += EXTRA_DTYPE_CASES
-    if torch is None:
-        cases = [c for c in cases if c[3] != "bfloat16"] or [(*c[:3], "float16") for c in cases]
-    many: list[tuple[int, int, int, int, bool]] = [
-        (*c, False) for c in (QUICK_MANY_CASES if args.quick else MANY_CASES)
-    ]
-    many += [(*c, True) for c in RAGGED_CASES[: 1 if args.quick else None]]
-    fp8_cases = QUICK_FP8_CASES if args.quick else FP8_CASES
-    total = len(cases) + len(many) + len(fp8_cases)
-    rows, many_rows, fp8_rows = [], [], []
-    for index, case in enumerate(cases, 1):
-        _progress(index, total, case)
-        tokens, heads, head_size, dtype = case
-        rows.append(run_case(tokens, heads, head_size, dtype, torch, compile_torch=not args.no_compile))
-    for index, many_case in enumerate(many, len(cases) + 1):
-        _progress(index, total, many_case)
-        states, tokens, heads, head_size, ragged = many_case
-        many_rows.append(run_many_case(states, tokens, heads, head_size, torch, ragged=ragged))
-        _release_memory(torch)
-    quantise = _quantiser()
-    for index, fp8_case in enumerate(fp8_cases, len(cases) + len(many) + 1):
-        _progress(index, total, fp8_case)
-        fp8_rows.append(run_fp8_case(*fp8_case, torch, quantise))
-        _release_memory(torch)
+    ctx = Context(torch=torch, compile_torch=not args.no_compile)
+    if args.flashinfer:
+        ctx.flashinfer = load_flashinfer(args.flashinfer, torch)
+    cases = select_cases(all_cases(args.quick), args.only)
+    hosts = host_cases(args.quick) if args.only is None or HOST in args.only else []
+    if any(case.kind == "fp8" for case in cases):
+        ctx.quantise = _quantiser()
+    env = environment()
+    total = len(cases) + len(hosts)
+    rows: list[dict] = []
+    host_rows: list[dict] = []
+    try:
+        for index, case in enumerate(cases, 1):
+            _progress(index, total, case)
+            rows.append(run_case(ctx, case))
+            _release_memory(torch)
+        for index, case in enumerate(hosts, len(cases) + 1):
+            _progress(index, total, case)
+            host_rows.append(run_host_case(ctx, case))
+    except BaseException as error:  # a broken device or ^C: the rows measured so far are still shown
+        print(f"\nstopped after {len(rows) + len(host_rows)} of {total} cases: {error!r}", file=sys.stderr)
+        _report(rows, host_rows, env, args)
+        raise
     print(file=sys.stderr)
-    print(format_table(rows))
-    print()
-    print(format_table(many_rows, MANY_COLUMNS))
-    print()
-    print(format_table(fp8_rows, FP8_COLUMNS))
-    if args.out:
-        _write(rows + many_rows + fp8_rows, args.out)
-    if args.plot:
-        _plot(rows, args.plot)
+    _report(rows, host_rows, env, args)
     return 0
+
+
+def _report(rows: list[dict], host_rows: list[dict], env: dict, args: argparse.Namespace) -> None:
+    """The environment line, the two tables, and the files asked for."""
+    print(environment_line(env))
+    if rows:
+        print(format_table(rows))
+    if host_rows:
+        print("\nhost cost per call (us, no synchronisation)")
+        print(format_table(host_rows, HOST_COLUMNS))
+    if args.out:
+        write_results(rows, host_rows, env, args.out)
+    if args.plot and rows:
+        plot(rows, env, args.plot)
 
 
 def _release_memory(torch) -> None:
@@ -475,11 +919,11 @@ def _release_memory(torch) -> None:
         torch.cuda.empty_cache()
 
 
-def _progress(index: int, total: int, case) -> None:
+def _progress(index: int, total: int, case: Case) -> None:
     width = 30
     done = width * (index - 1) // total
     bar = "#" * done + "." * (width - done)
-    print(f"\r[{bar}] {index}/{total} {case}   ", end="", file=sys.stderr, flush=True)
+    print(f"\r[{bar}] {index}/{total} {case.family} {case.label}   ", end="", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
