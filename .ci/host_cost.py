@@ -4,28 +4,17 @@ importable: run it twice in one device call, the old tree on PYTHONPATH and the 
 Usage: python3 .ci/host_cost.py LABEL
 """
 
-import statistics
 import sys
-import time
 
 import cupy
 import torch
 
 import cupy_merge as cm
+from cupy_merge.tools.timing import host_us_per_call
 
 
-def per_call(call, batch=256, batches=60):
-    for _ in range(batch):
-        call()
-    times = []
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(batch):
-            call()
-        times.append((time.perf_counter() - start) / batch * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+def per_call(call):
+    return host_us_per_call(call, batches=60)
 
 
 def main(label):

@@ -10,8 +10,6 @@ launch alone; then what ``merge_state`` adds: the two ``torch.empty`` calls. Yar
 Usage: python3 .ci/host_profile.py
 """
 
-import statistics
-import time
 
 import torch
 
@@ -19,20 +17,11 @@ import cupy_merge as cm
 from cupy_merge import _arrays, _checks, _dispatch, _kernels, _tuning
 from cupy_merge._operands import TwoStateOperands
 from cupy_merge.merge import _MERGE_ATTN_STATES
+from cupy_merge.tools.timing import host_us_per_call
 
 
-def per_call(call, batch=256, batches=60):
-    for _ in range(batch):
-        call()
-    times = []
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(batch):
-            call()
-        times.append((time.perf_counter() - start) / batch * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+def per_call(call):
+    return host_us_per_call(call, batches=60)
 
 
 def main():

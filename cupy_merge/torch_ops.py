@@ -32,7 +32,7 @@ from . import backward as _backward
 from . import merge as _merge
 from . import merge_many as _merge_many
 from ._catalogue import FP8
-from ._operands import BackwardOperands, ManyStateOperands, TwoStateOperands, TwoStateOptions
+from ._operands import BackwardOperands, ManyStateOperands, TwoStateOperands
 
 __all__ = ["NAMESPACE", "SCHEMAS", "host_cost_table", "ops"]
 
@@ -115,7 +115,6 @@ _MERGE_STATE_BACKWARD = _backward._MERGE_STATE_BACKWARD
 _MERGE_STATES_BACKWARD = _backward._MERGE_STATES_BACKWARD
 _MERGE_STATES_VARLEN_BACKWARD = _backward._MERGE_STATES_VARLEN_BACKWARD
 
-_DEFAULT_TWO_STATE_OPTIONS = TwoStateOptions()  # what _checks.two_state_options() gives for the defaults
 #: Tests with a CPU stand-in kernel set this: fakes then take CPU tensors (on the host device).
 _SPECS_ON_HOST = False
 
@@ -252,24 +251,14 @@ def _merge_attn_states_kernel(output, prefix_output, prefix_lse, suffix_output, 
                               quant_group_size=None, quant_scale_ue8m0=False, *, scale_ue8m0=False, sinks=None,
                               lse_base="e"):  # fmt: skip
     # merge.merge_attn_states' body, one Python frame less (the op's eager cost is measured against it).
-    if (
-        prefill_tokens_with_context is None
-        and output_block_scale is None
-        and quant_group_size is None
-        and lse_base == "e"
-        and scale_ue8m0 is False
-        and quant_scale_ue8m0 is False
-    ):
-        options = _DEFAULT_TWO_STATE_OPTIONS  # vLLM's common call, without the option checks' calls
-    else:
-        options = _checks.two_state_options(
-            lse_base=lse_base,
-            prefill_tokens_with_context=prefill_tokens_with_context,
-            output_block_scale=output_block_scale,
-            quant_group_size=quant_group_size,
-            scale_ue8m0=scale_ue8m0,
-            quant_scale_ue8m0=quant_scale_ue8m0,
-        )
+    options = _checks.two_state_options(
+        lse_base=lse_base,
+        prefill_tokens_with_context=prefill_tokens_with_context,
+        output_block_scale=output_block_scale,
+        quant_group_size=quant_group_size,
+        scale_ue8m0=scale_ue8m0,
+        quant_scale_ue8m0=quant_scale_ue8m0,
+    )
     operands = TwoStateOperands(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, None,
                                 sinks, output_scale, output_block_scale)  # fmt: skip
     _dispatch.call(_MERGE_ATTN_STATES, options, operands, None)

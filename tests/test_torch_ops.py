@@ -815,10 +815,6 @@ def test_autograd_falls_through_to_the_kernels():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"cupy_merge::{name}", "Autograd"), name
 
 
-def test_the_op_kernels_default_options_are_the_eager_ones():
-    assert torch_ops._DEFAULT_TWO_STATE_OPTIONS == cm._checks.two_state_options()
-
-
 # -- eager autograd, with the launch replaced by the stand-in (the eager path refuses CPU tensors) ------
 
 

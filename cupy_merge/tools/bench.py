@@ -78,7 +78,7 @@ from .bench_cases import (
     traffic_bytes,
 )
 from .bench_cases import select as select_cases
-from .timing import median_ms
+from .timing import host_us_per_call, median_ms
 
 # ---------------------------------------------------------------------------------------------
 # Rows and tables (pure)
@@ -723,21 +723,6 @@ def run_case(ctx: Context, case: Case) -> dict:
 # Host cost per call
 
 
-def _host_us_per_call(call, batch=256, batches=40) -> float:
-    """Median host time per call over batches short enough never to fill the launch queue."""
-    for _ in range(batch):
-        call()
-    times = []
-    for _ in range(batches):
-        cupy.cuda.runtime.deviceSynchronize()
-        start = time.perf_counter()
-        for _ in range(batch):
-            call()
-        times.append((time.perf_counter() - start) / batch * 1e6)
-    cupy.cuda.runtime.deviceSynchronize()
-    return statistics.median(times)
-
-
 def run_host_case(ctx: Context, case: Case) -> dict:
     """Host microseconds per call of a two-way merge: CuPy and torch, eager, bound, allocating; yardsticks."""
     v_a, s_a, v_b, s_b = _two_way_inputs(ctx, case)
@@ -746,17 +731,17 @@ def run_host_case(ctx: Context, case: Case) -> dict:
     row: dict[str, Any] = {"case": case.label}
     torch = ctx.torch
     if torch is not None:
-        row["host_torch_us"] = _host_us_per_call(lambda: merge_attn_states(*arguments))
-        row["bound_torch_us"] = _host_us_per_call(bind(merge_attn_states, *arguments))
-        row["alloc_torch_us"] = _host_us_per_call(lambda: merge_state(v_a, s_a, v_b, s_b))
+        row["host_torch_us"] = host_us_per_call(lambda: merge_attn_states(*arguments))
+        row["bound_torch_us"] = host_us_per_call(bind(merge_attn_states, *arguments))
+        row["alloc_torch_us"] = host_us_per_call(lambda: merge_state(v_a, s_a, v_b, s_b))
         # The yardsticks: one elementwise op of torch's on the same tensors, into out and allocating.
-        row["add_torch_us"] = _host_us_per_call(lambda: torch.add(v_a, v_b, out=out))
-        row["add_alloc_torch_us"] = _host_us_per_call(lambda: torch.add(v_a, v_b))
+        row["add_torch_us"] = host_us_per_call(lambda: torch.add(v_a, v_b, out=out))
+        row["add_alloc_torch_us"] = host_us_per_call(lambda: torch.add(v_a, v_b))
         arguments = tuple(cupy.from_dlpack(x) for x in arguments)
-    row["host_cupy_us"] = _host_us_per_call(lambda: merge_attn_states(*arguments))
-    row["bound_cupy_us"] = _host_us_per_call(bind(merge_attn_states, *arguments))
+    row["host_cupy_us"] = host_us_per_call(lambda: merge_attn_states(*arguments))
+    row["bound_cupy_us"] = host_us_per_call(bind(merge_attn_states, *arguments))
     c_out, c_a, c_b = (cupy.empty(v_a.shape, cupy.float16) for _ in range(3))
-    row["add_cupy_us"] = _host_us_per_call(lambda: cupy.add(c_a, c_b, out=c_out))
+    row["add_cupy_us"] = host_us_per_call(lambda: cupy.add(c_a, c_b, out=c_out))
     return row
 
 

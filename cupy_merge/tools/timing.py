@@ -1,8 +1,10 @@
-"""GPU timing with CUDA events: median of repetitions after warm-up, L2 flushed between them."""
+"""GPU timing with CUDA events (median of repetitions after warm-up, L2 flushed between them), and
+host time per call."""
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import cupy
@@ -29,4 +31,20 @@ def median_ms(
         stop.record(stream)
         stop.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def host_us_per_call(call: Callable[[], object], *, batch: int = 256, batches: int = 40) -> float:
+    """Median host microseconds per call, over batches of ``batch`` back-to-back calls (fewer than
+    the launch queue holds, so the GPU never throttles the host), the device idle before each."""
+    for _ in range(batch):
+        call()
+    times = []
+    for _ in range(batches):
+        cupy.cuda.runtime.deviceSynchronize()
+        start = time.perf_counter()
+        for _ in range(batch):
+            call()
+        times.append((time.perf_counter() - start) / batch * 1e6)
+    cupy.cuda.runtime.deviceSynchronize()
     return statistics.median(times)
