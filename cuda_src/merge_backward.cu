@@ -25,6 +25,7 @@
 #include "conversions.cuh"
 #include "packs.cuh"
 #include "grid.cuh"
+#include "ragged.cuh"
 
 #ifndef MERGE_CHUNK
 #define MERGE_CHUNK 4
@@ -43,6 +44,12 @@ __device__ __forceinline__ float row_sum(float x, int lanes, unsigned mask) {
 template <typename Index>
 struct StateOffsets {
   Index first, rest, stride_state;
+  static __device__ __forceinline__ StateOffsets of(Index token, Index head, long long first_token,
+                                                    long long first_head, long long rest_token, long long rest_head,
+                                                    long long stride_state) {
+    return {static_cast<Index>(token * first_token + head * first_head),
+            static_cast<Index>(token * rest_token + head * rest_head), static_cast<Index>(stride_state)};
+  }
   template <typename T>
   __device__ __forceinline__ T* at(T* p0, T* p1, Index i) const {
     return i == 0 ? p0 + first : p1 + (i - 1) * stride_state + rest;
@@ -91,33 +98,22 @@ __global__ void __launch_bounds__(128) merge_states_backward(
     Index first = 0, count = static_cast<Index>(num_states);
     bool bad = false;
     if constexpr (RAGGED) {
-      long long begin, end;
-      if (indptr_bytes == 8) {
-        begin = static_cast<const long long*>(indptr)[token * indptr_stride];
-        end = static_cast<const long long*>(indptr)[(token + 1) * indptr_stride];
-      } else {
-        begin = static_cast<const int*>(indptr)[token * indptr_stride];
-        end = static_cast<const int*>(indptr)[(token + 1) * indptr_stride];
-      }
-      bad = begin < 0 || end < begin || end > num_states;
-      first = bad ? 0 : static_cast<Index>(begin);
-      count = bad ? 0 : static_cast<Index>(end - begin);
+      const RaggedRow ragged = ragged_row(indptr, indptr_bytes, indptr_stride, token, num_states);
+      first = static_cast<Index>(ragged.first);
+      count = static_cast<Index>(ragged.count);
+      bad = ragged.bad;
     }
     // Offsets of the token's states: in a ragged batch the token's own offset moves into the
     // state index (rows first .. first + count - 1).
     const Index t0 = RAGGED ? 0 : token;
-    const StateOffsets<Index> lse_at = {
-        static_cast<Index>(t0 * s0_stride_token + head * s0_stride_head),
-        static_cast<Index>(t0 * s1_stride_token + head * s1_stride_head), static_cast<Index>(s_stride_state)};
-    const StateOffsets<Index> v_at = {
-        static_cast<Index>(t0 * v0_stride_token + head * v0_stride_head),
-        static_cast<Index>(t0 * v1_stride_token + head * v1_stride_head), static_cast<Index>(v_stride_state)};
-    const StateOffsets<Index> gv_at = {
-        static_cast<Index>(t0 * gv0_stride_token + head * gv0_stride_head),
-        static_cast<Index>(t0 * gv1_stride_token + head * gv1_stride_head), static_cast<Index>(gv_stride_state)};
-    const StateOffsets<Index> gs_at = {
-        static_cast<Index>(t0 * gs0_stride_token + head * gs0_stride_head),
-        static_cast<Index>(t0 * gs1_stride_token + head * gs1_stride_head), static_cast<Index>(gs_stride_state)};
+    const auto lse_at = StateOffsets<Index>::of(t0, head, s0_stride_token, s0_stride_head, s1_stride_token,
+                                                s1_stride_head, s_stride_state);
+    const auto v_at = StateOffsets<Index>::of(t0, head, v0_stride_token, v0_stride_head, v1_stride_token,
+                                              v1_stride_head, v_stride_state);
+    const auto gv_at = StateOffsets<Index>::of(t0, head, gv0_stride_token, gv0_stride_head, gv1_stride_token,
+                                               gv1_stride_head, gv_stride_state);
+    const auto gs_at = StateOffsets<Index>::of(t0, head, gs0_stride_token, gs0_stride_head, gs1_stride_token,
+                                               gs1_stride_head, gs_stride_state);
     auto lse_of = [&](Index i) { return empty_if_inf(*lse_at.at(s0, s1, first + i)) * to_natural; };
     // Loads that need nothing of S go first, so that their round trips overlap the LSEs'.
     const float dS = grad_lse == nullptr ? 0.0f

@@ -29,17 +29,13 @@
 #include "packs.cuh"
 #include "grid.cuh"
 #include "fp8.cuh"
+#include "ragged.cuh"
 
 #ifndef MERGE_CHUNK
 #define MERGE_CHUNK 4
 #endif
 
 namespace cupy_merge {
-
-// The most states a token merges: float32 sums of more drift out of the inputs' range
-// (a sum of 2^16 equal terms is off by up to 7e-4 of its value; the host refuses more,
-// cupy_merge/_catalogue.py MAX_STATES_PER_TOKEN).
-constexpr long long kMaxStatesPerToken = 65536;
 
 template <int VEC>
 struct Partial {
@@ -177,29 +173,6 @@ struct Partial {
     return broken ? quiet_nan() : lse_max == negative_infinity() ? negative_infinity() : lse_max + __logf(sum);
   }
 };
-
-// A ragged token's rows [first, first + count) from indptr (int32 or int64 entries).
-// Read and checked at full width, so a huge offset cannot wrap into range;
-// out-of-range offsets (negative, decreasing, past num_states, more than kMaxStatesPerToken
-// rows) give no rows and `bad`.
-struct RaggedRow {
-  long long first, count;
-  bool bad;
-};
-
-__device__ __forceinline__ RaggedRow ragged_row(const void* indptr, long long indptr_bytes, long long indptr_stride,
-                                                long long token, long long num_states) {
-  long long begin, end;
-  if (indptr_bytes == 8) {
-    begin = static_cast<const long long*>(indptr)[token * indptr_stride];
-    end = static_cast<const long long*>(indptr)[(token + 1) * indptr_stride];
-  } else {
-    begin = static_cast<const int*>(indptr)[token * indptr_stride];
-    end = static_cast<const int*>(indptr)[(token + 1) * indptr_stride];
-  }
-  const bool bad = begin < 0 || end < begin || end > num_states || end - begin > kMaxStatesPerToken;
-  return {bad ? 0 : begin, bad ? 0 : end - begin, bad};
-}
 
 // The last state index of the chunk starting at i0 (a short chunk re-reads it).
 template <typename Index>

@@ -33,7 +33,7 @@ ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2, FP8: 1}
 INDEX_32_LIMIT = 2**30
 #: The largest FP8 group: a group's packs are threads of one block.
 MAX_QUANT_GROUP = 1024
-#: The most states one token merges (kMaxStatesPerToken in merge_many_states.cu): float32 sums
+#: The most states one token merges (kMaxStatesPerToken in cuda_src/ragged.cuh): float32 sums
 #: of 2^16 equal terms are off by up to 7e-4 of their value, and drift further beyond.
 MAX_STATES_PER_TOKEN = 65536
 
