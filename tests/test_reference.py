@@ -106,7 +106,9 @@ def test_base_2_lse_gives_the_same_merge_in_base_2(rng):
     s = rng.standard_normal((4, 2, 6)) * 5
     out_e, lse_e = reference.merge_states(v, s)
     out_2, lse_2 = reference.merge_states(v, s / np.log(2), lse_base=2)
-    np.testing.assert_allclose(out_2, out_e, rtol=1e-13)
+    # Relative to the whole result: an element near zero after cancellation differs by a few
+    # float64 ulps of the larger terms (seen once on random data, 2e-13 of itself).
+    assert np.linalg.norm(out_2 - out_e) <= 1e-13 * np.linalg.norm(out_e)
     np.testing.assert_allclose(lse_2 * np.log(2), lse_e, rtol=1e-13)
 
 
