@@ -18,10 +18,15 @@
 // Gradients of the values are written in TIn, of the LSEs in float32; dV is read in TOut (the
 // forward output's dtype), dS (grad_lse, may be null: 0) in float32.
 //
-// Launch: block (lanes, rows_y), at most 128 threads: `lanes` (a power of two <= 32) threads share
-// a row, striding over its packs; rows_y rows a block; a grid-stride loop over rows. ONE_PACK:
-// every row is at most `lanes` packs, so each thread holds its pack of dV in registers across
-// the states, which it takes MERGE_CHUNK at a time.
+// Launch: block (lanes, rows_y), 128 threads: `lanes` (a power of two <= 32) threads share a row,
+// striding over its packs; rows_y rows a block; a grid-stride loop over rows. ONE_PACK: every row
+// is at most `lanes` packs, so each thread holds its pack of dV in registers across the states,
+// which it takes MERGE_CHUNK at a time. SHORT (2 or MERGE_CHUNK; 0 for longer rows): dense rows of
+// at most SHORT states, kept whole in registers.
+//
+// Session 11 (docs/PERF.md): the kernel was issue- and latency-bound, not memory-bound. Its
+// loads are unconditional (addresses clamped into the arrays, results of states past a row's
+// count unused), so that no value is zeroed or selected element by element.
 #include "conversions.cuh"
 #include "packs.cuh"
 #include "grid.cuh"
@@ -33,35 +38,69 @@
 
 namespace cupy_merge {
 
-// The sum of `x` over the `lanes` threads of a row (consecutive lanes of one warp, `mask` theirs:
-// rows of one warp may run their loops a different number of times, so only a row's own lanes meet).
-__device__ __forceinline__ float row_sum(float x, int lanes, unsigned mask) {
-  for (int offset = lanes / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(mask, x, offset, lanes);
+// Threads of a block (the planner's BACKWARD_THREADS), and the states a lane keeps in shared memory.
+// With 32-bit offsets the kernel is held to 5 blocks' registers (the ragged rows took 102, which
+// left room for 4; 64-bit offsets would spill).
+constexpr int kBackwardThreads = 128;
+constexpr int kBackwardSlots = 4;
+template <typename Index>
+constexpr int kBackwardMinBlocks = sizeof(Index) == 4 ? 5 : 1;
+
+// exp(x) for a weight, as ex2.approx.ftz: weights below 2^-126 of the largest state's add
+// nothing a float32 sum keeps, and the flush saves the denormal fix-up (four instructions)
+// around every exponential.
+__device__ __forceinline__ float backward_weight(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * kLog2E));
+  return y;
+}
+
+// Every lane of a warp runs every shuffle (the rows of a warp loop to the warp's largest count):
+// with a mask known at compile time a shuffle is one instruction, with a row's own mask ptxas
+// wraps each in a dozen to make it safe under divergence (session 11, SASS).
+constexpr unsigned kWarp = 0xffffffffu;
+
+// The sum of `x` over the `lanes` threads of a row (consecutive lanes of one warp).
+__device__ __forceinline__ float row_sum(float x, int lanes) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    if (offset < lanes) x += __shfl_xor_sync(kWarp, x, offset, lanes);
+  }
   return x;
 }
 
-// The offsets of one state array in a row (token and head already applied) and its state stride.
+// The largest `count` of a warp's rows.
 template <typename Index>
-struct StateOffsets {
-  Index first, rest, stride_state;
-  static __device__ __forceinline__ StateOffsets of(Index token, Index head, long long first_token,
-                                                    long long first_head, long long rest_token, long long rest_head,
-                                                    long long stride_state) {
-    return {static_cast<Index>(token * first_token + head * first_head),
-            static_cast<Index>(token * rest_token + head * rest_head), static_cast<Index>(stride_state)};
+__device__ __forceinline__ Index warp_max(Index count) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) count = max(count, static_cast<Index>(__shfl_xor_sync(kWarp, count, offset)));
+  return count;
+}
+
+// Where a row's states of one array are (token and head already applied): state 0 at `first`,
+// state i >= 1 at `rest + (i - 1) stride`. Offsets are multiplied in Index: the host checked that
+// every offset fits.
+template <typename T, typename Index>
+struct StatePointers {
+  T* first;
+  T* rest;
+  Index stride;
+  static __device__ __forceinline__ StatePointers of(T* p0, T* p1, Index token, Index head, long long first_token,
+                                                     long long first_head, long long rest_token, long long rest_head,
+                                                     long long stride_state) {
+    return {p0 + (token * static_cast<Index>(first_token) + head * static_cast<Index>(first_head)),
+            p1 + (token * static_cast<Index>(rest_token) + head * static_cast<Index>(rest_head)),
+            static_cast<Index>(stride_state)};
   }
-  template <typename T>
-  __device__ __forceinline__ T* at(T* p0, T* p1, Index i) const {
-    return i == 0 ? p0 + first : p1 + (i - 1) * stride_state + rest;
-  }
+  __device__ __forceinline__ T* at(Index i) const { return i == 0 ? first : rest + (i - 1) * stride; }
 };
 
 // Index: the integer type of element offsets (int when the host found that every offset fits:
 // 89 registers a thread with long long offsets held the kernel to 31 % occupancy, session 10).
 // Pointers are __restrict__: the gradients are fresh arrays, so a state's loads may be issued
 // before the previous state's stores (states 0 and 1.. of one array are disjoint regions).
-template <typename TIn, typename TOut, int VEC, bool ONE_PACK, bool RAGGED, bool SINKS, typename Index>
-__global__ void __launch_bounds__(128) merge_states_backward(
+template <typename TIn, typename TOut, int VEC, bool ONE_PACK, int SHORT, bool RAGGED, bool SINKS, typename Index>
+__global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index>) merge_states_backward(
     TIn* __restrict__ gv0, TIn* __restrict__ gv1, float* __restrict__ gs0, float* __restrict__ gs1,
     float* grad_sinks,
     const TIn* __restrict__ v0, const TIn* __restrict__ v1, const float* __restrict__ s0, const float* __restrict__ s1,
@@ -78,145 +117,260 @@ __global__ void __launch_bounds__(128) merge_states_backward(
     long long gs_stride_state,
     long long grad_out_stride_token, long long grad_out_stride_head,
     long long grad_lse_stride_head, long long grad_lse_stride_token,
-    long long sinks_stride, long long lanes, long long lse_base_2) {
+    long long sinks_stride, long long lanes, long long lse_base_2, long long head_multiplier, long long head_shift) {
+  static_assert(SHORT == 0 || (ONE_PACK && !RAGGED), "short rows are dense, one pack a lane");
+  constexpr int kChunk = SHORT > MERGE_CHUNK ? SHORT : MERGE_CHUNK;  // states loaded together
   using InPack = Pack<TIn, VEC>;
   using OutPack = Pack<TOut, VEC>;
+  // State i's share w_i <dV, V_i> of <dV, V> and its weight, kept (until <dV, V> is known) by
+  // lane i % lanes in its slot i / lanes: a thread's own slots, so no barrier; a row's states past
+  // its lanes x kBackwardSlots go through the LSE gradient in memory instead.
+  __shared__ float saved_terms[SHORT ? 1 : kBackwardSlots][kBackwardThreads];
+  __shared__ float saved_weights[SHORT ? 1 : kBackwardSlots][kBackwardThreads];
   launch_dependents();
   const int lane = threadIdx.x;
+  const int thread = threadIdx.y * blockDim.x + threadIdx.x;
   const Index packs = static_cast<Index>(head_size / VEC);
+  const bool has_pack = lane < packs;
+  const Index pack = has_pack ? lane : 0;  // the pack this lane loads (lanes past the row's load its first)
   const int row_lanes = static_cast<int>(lanes);
+  const int lane_shift = __ffs(row_lanes) - 1;  // lanes is a power of two
   const float to_natural = lse_to_natural(lse_base_2);
   const float ln2_if_base_2 = lse_base_2 ? kLn2 : 1.0f;
+  const float log2e_if_base_2 = lse_base_2 ? kLog2E : 1.0f;
   const Index heads = static_cast<Index>(num_heads);
   const Index rows = static_cast<Index>(num_tokens) * heads;
-  const unsigned row_mask =
-      lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u) << ((threadIdx.y * static_cast<unsigned>(lanes)) & 31u);
+  const unsigned row_mask =  // this row's lanes among the warp's
+      lanes == 32 ? kWarp : ((1u << lanes) - 1u) << ((threadIdx.y * static_cast<unsigned>(lanes)) & 31u);
   wait_for_inputs();
-  for (Index row = static_cast<Index>(blockIdx.x) * blockDim.y + threadIdx.y; row < rows;
-       row += static_cast<Index>(gridDim.x) * blockDim.y) {
-    const Index token = row / heads, head = row - token * heads;
-    Index first = 0, count = static_cast<Index>(num_states);
+  // The block's rows advance together, so that a warp stays converged: a row past the last
+  // (valid false) reads the last row, writes nothing and, ragged, has no states.
+  for (Index block_row = static_cast<Index>(blockIdx.x) * blockDim.y; block_row < rows;
+       block_row += static_cast<Index>(gridDim.x) * blockDim.y) {
+    const bool valid = block_row + static_cast<Index>(threadIdx.y) < rows;
+    const Index row = valid ? block_row + static_cast<Index>(threadIdx.y) : rows - 1;
+    Index token;
+    if constexpr (sizeof(Index) == 4) {
+      token = fast_divide(row, static_cast<unsigned>(head_multiplier), static_cast<unsigned>(head_shift));
+    } else {
+      token = row / heads;
+    }
+    const Index head = row - token * heads;
+    Index first = 0, count = SHORT == 2 ? 2 : static_cast<Index>(num_states);
     bool bad = false;
     if constexpr (RAGGED) {
       const RaggedRow ragged = ragged_row(indptr, indptr_bytes, indptr_stride, token, num_states);
       first = static_cast<Index>(ragged.first);
-      count = static_cast<Index>(ragged.count);
+      count = valid ? static_cast<Index>(ragged.count) : 0;
       bad = ragged.bad;
     }
-    // Offsets of the token's states: in a ragged batch the token's own offset moves into the
-    // state index (rows first .. first + count - 1).
+    // The states every row of the warp loops over (its own count of them real).
+    const Index loop_count = RAGGED ? warp_max(count) : static_cast<Index>(num_states);
+    // The token's states: in a ragged batch the token's own offset moves into the state index
+    // (rows first .. first + count - 1).
     const Index t0 = RAGGED ? 0 : token;
-    const auto lse_at = StateOffsets<Index>::of(t0, head, s0_stride_token, s0_stride_head, s1_stride_token,
-                                                s1_stride_head, s_stride_state);
-    const auto v_at = StateOffsets<Index>::of(t0, head, v0_stride_token, v0_stride_head, v1_stride_token,
-                                              v1_stride_head, v_stride_state);
-    const auto gv_at = StateOffsets<Index>::of(t0, head, gv0_stride_token, gv0_stride_head, gv1_stride_token,
-                                               gv1_stride_head, gv_stride_state);
-    const auto gs_at = StateOffsets<Index>::of(t0, head, gs0_stride_token, gs0_stride_head, gs1_stride_token,
-                                               gs1_stride_head, gs_stride_state);
-    auto lse_of = [&](Index i) { return empty_if_inf(*lse_at.at(s0, s1, first + i)) * to_natural; };
-    // Loads that need nothing of S go first, so that their round trips overlap the LSEs'.
+    const auto lse_at = StatePointers<const float, Index>::of(s0, s1, t0, head, s0_stride_token, s0_stride_head,
+                                                              s1_stride_token, s1_stride_head, s_stride_state);
+    const auto v_at = StatePointers<const TIn, Index>::of(v0, v1, t0, head, v0_stride_token, v0_stride_head,
+                                                          v1_stride_token, v1_stride_head, v_stride_state);
+    const auto gv_at = StatePointers<TIn, Index>::of(gv0, gv1, t0, head, gv0_stride_token, gv0_stride_head,
+                                                     gv1_stride_token, gv1_stride_head, gv_stride_state);
+    const auto gs_at = StatePointers<float, Index>::of(gs0, gs1, t0, head, gs0_stride_token, gs0_stride_head,
+                                                       gs1_stride_token, gs1_stride_head, gs_stride_state);
+    // State i of the row (0 <= i < loop_count) as loaded: past the row's count, its last state
+    // (or the batch's first, for a row of none) stands in, and is not used.
+    auto loaded = [&](Index i) { return count == 0 ? 0 : first + min(i, count - 1); };
+    auto lse_of = [&](Index i) { return empty_if_inf(*lse_at.at(loaded(i))) * to_natural; };
+    auto v_pack = [&](Index i) { return load_pack(reinterpret_cast<const InPack*>(v_at.at(loaded(i))) + pack); };
+    // Loads that need nothing of S are issued first, together, so that one memory round trip
+    // serves them.
     const float dS = grad_lse == nullptr ? 0.0f
-                                         : grad_lse[head * grad_lse_stride_head + token * grad_lse_stride_token] / ln2_if_base_2;
+                     : grad_lse[head * static_cast<Index>(grad_lse_stride_head) + token * static_cast<Index>(grad_lse_stride_token)] * log2e_if_base_2;
     const OutPack* dV_row = grad_out == nullptr ? nullptr
-                            : reinterpret_cast<const OutPack*>(grad_out + token * grad_out_stride_token + head * grad_out_stride_head);
-    OutPack held = {};
-    if (ONE_PACK && dV_row != nullptr && lane < packs) held = dV_row[lane];
-    // S from the LSEs (every lane reads the same words: one transaction each).
+                            : reinterpret_cast<const OutPack*>(grad_out + (token * static_cast<Index>(grad_out_stride_token) +
+                                                                           head * static_cast<Index>(grad_out_stride_head)));
+    float dV[VEC] = {};  // ONE_PACK: this lane's pack of dV, widened once for every state (zero past the row)
+    if (ONE_PACK && dV_row != nullptr && has_pack) {
+      const OutPack held = dV_row[pack];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) dV[k] = to_float(held.v[k]);
+    }
     const float sink = sink_logit<SINKS>(sinks, static_cast<int>(sinks_stride), head);
-    float top = sink == positive_infinity() ? negative_infinity() : sink;
-    bool broken = bad || is_nan(sink);
-    for (Index i = 0; i < count; ++i) {
+    // w_i dV as TIn, and this lane's part of <dV, V_i>.
+    auto state_gradient = [&](float w, const InPack& x, const float (&d)[VEC], float& partial) {
+      InPack g;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        partial = fmaf(d[k], to_float(x.v[k]), partial);
+        g.v[k] = from_float<TIn>(w * d[k]);
+      }
+      if (w == 0.0f) g = InPack{};  // a zero-weight state's gradient is zero even where dV is not finite
+      return g;
+    };
+    auto store_value_gradient = [&](Index i, const InPack& g) {
+      if (valid && i < count && has_pack) store_pack(reinterpret_cast<InPack*>(gv_at.at(first + i)) + lane, g);
+    };
+    auto lse_gradient = [&](bool broken, float w, float term, float dot_v) {
+      return broken ? quiet_nan() : (w == 0.0f ? 0.0f : term + w * (dS - dot_v)) * ln2_if_base_2;
+    };
+    auto add_sink_gradient = [&](bool broken, float S, float dot_v) {
+      if constexpr (SINKS) {
+        if (lane == 0 && valid && !bad) {
+          const float w_z = broken ? quiet_nan() : S == positive_infinity() ? 1.0f
+                            : S == negative_infinity() ? 0.0f : backward_weight(sink - S);
+          atomicAdd(grad_sinks + head, w_z == 0.0f ? 0.0f : w_z * (dS - dot_v));
+        }
+      }
+    };
+    auto merged_lse = [&](float top, float total) {
+      return sink == positive_infinity() ? positive_infinity()
+             : top == negative_infinity() ? negative_infinity()
+                                          : top + __logf(total);
+    };
+    auto weight = [](bool broken, float S, float s) {
+      return broken ? quiet_nan() : (S == negative_infinity() || S == positive_infinity()) ? 0.0f : backward_weight(s - S);
+    };
+    // The chunk of states i0 .. i0 + kChunk - 1, loaded together (LSEs of states past the row's
+    // count -inf).
+    float lse[kChunk];
+    InPack x[kChunk];
+    auto load_chunk = [&](Index i0) {
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        if (SHORT && j >= SHORT) break;
+        const float s = lse_of(i0 + j);
+        lse[j] = i0 + j < count ? s : negative_infinity();
+        x[j] = v_pack(i0 + j);
+      }
+    };
+    if (ONE_PACK && loop_count > 0) load_chunk(0);
+
+    if constexpr (SHORT > 0) {
+      // The whole row in registers: S from its LSEs, every lane holding every state's
+      // <dV, V_i> (row_sum is a butterfly), no shared memory.
+      float top = sink == positive_infinity() ? negative_infinity() : sink;
+      bool broken = bad || is_nan(sink);
+#pragma unroll
+      for (int j = 0; j < SHORT; ++j) {
+        broken |= is_nan(lse[j]);
+        top = fmaxf(top, lse[j]);
+      }
+      float total = 0.0f;
+      if (top != negative_infinity()) {
+#pragma unroll
+        for (int j = 0; j < SHORT; ++j) total += backward_weight(lse[j] - top);
+        if constexpr (SINKS) total += backward_weight(sink - top);
+      }
+      const float S = merged_lse(top, total);
+      float w[SHORT], term[SHORT], dot_v = 0.0f;
+#pragma unroll
+      for (int j = 0; j < SHORT; ++j) {
+        w[j] = j < count ? weight(broken, S, lse[j]) : 0.0f;
+        float partial = 0.0f;
+        store_value_gradient(j, state_gradient(w[j], x[j], dV, partial));
+        const float d_j = row_sum(partial, row_lanes);
+        term[j] = w[j] == 0.0f ? 0.0f : w[j] * d_j;  // a zero-weight state's NaN values add nothing
+        dot_v += term[j];
+      }
+#pragma unroll
+      for (int j = 0; j < SHORT; ++j) {
+        if (valid && j < count && (j & (row_lanes - 1)) == lane) *gs_at.at(j) = lse_gradient(broken, w[j], term[j], dot_v);
+      }
+      add_sink_gradient(broken, S, dot_v);
+      continue;
+    }
+
+    // Rows of more states. S first (its loads in flight with the first chunk's): each lane folds
+    // its share of the LSEs (states lane, lane + lanes, ...) into a running maximum and sum,
+    // then the row's lanes combine theirs.
+    float top = negative_infinity(), total = 0.0f;
+    bool broken = false;
+    for (Index i = lane; i < count; i += row_lanes) {
       const float s = lse_of(i);
       broken |= is_nan(s);
-      top = fmaxf(top, s);
+      if (s > top) {
+        total = total * backward_weight(top - s) + 1.0f;
+        top = s;
+      } else if (s != negative_infinity()) {
+        total += backward_weight(s - top);
+      }
     }
-    float total = 0.0f;
-    if (top != negative_infinity()) {
-      for (Index i = 0; i < count; ++i) total += exp_weight(lse_of(i) - top);
-      if constexpr (SINKS) total += exp_weight(sink - top);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      if (offset >= row_lanes) continue;
+      const float other_top = __shfl_xor_sync(kWarp, top, offset, row_lanes);
+      const float other_total = __shfl_xor_sync(kWarp, total, offset, row_lanes);
+      const float both = fmaxf(top, other_top);
+      total = (top == negative_infinity() ? 0.0f : total * backward_weight(top - both)) +
+              (other_top == negative_infinity() ? 0.0f : other_total * backward_weight(other_top - both));
+      top = both;
     }
-    const float S = sink == positive_infinity() ? positive_infinity()
-                    : top == negative_infinity() ? negative_infinity()
-                                                 : top + __logf(total);
-    auto weight_of = [&](float s) {
-      return broken ? quiet_nan() : (S == negative_infinity() || S == positive_infinity()) ? 0.0f : exp_weight(s - S);
-    };
-    // State i's value gradient w_i dV, and its share w_i <dV, V_i> of <dV, V>, kept (until <dV, V>
-    // is known) by lane i % lanes, which finishes it below: every lane holds d_i (row_sum is a
-    // butterfly), so the finishing loop runs on all the row's lanes.
+    broken = (__ballot_sync(kWarp, broken) & row_mask) != 0 || bad || is_nan(sink);
+    if constexpr (SINKS) {
+      if (sink != positive_infinity() && sink > top) {
+        total = (top == negative_infinity() ? 0.0f : total * backward_weight(top - sink)) + 1.0f;
+        top = sink;
+      } else if (sink != positive_infinity() && sink != negative_infinity()) {
+        total += backward_weight(sink - top);
+      }
+    }
+    const float S = merged_lse(top, total);
     float dot_v = 0.0f;  // <dV, V>
     auto finish_state = [&](Index i, float w, float partial) {
-      const float d_i = row_sum(partial, row_lanes, row_mask);
-      const float term = w == 0.0f ? 0.0f : w * d_i;  // a zero-weight state's NaN values add nothing
+      const float d_i = row_sum(partial, row_lanes);
+      const float term = w == 0.0f ? 0.0f : w * d_i;
       dot_v += term;
-      if ((i & (row_lanes - 1)) == lane) *gs_at.at(gs0, gs1, first + i) = term;
+      if (i < count && (i & (row_lanes - 1)) == lane) {
+        const Index slot = i >> lane_shift;
+        if (slot < kBackwardSlots) {
+          saved_terms[slot][thread] = term;
+          saved_weights[slot][thread] = w;
+        } else if (valid) {
+          *gs_at.at(first + i) = term;
+        }
+      }
     };
     if constexpr (ONE_PACK) {
-      // MERGE_CHUNK states at a time: their LSEs and packs loaded together, then used (one round
-      // trip a chunk; a short chunk re-reads its last state).
-      const bool has_pack = lane < packs;
 #pragma unroll 1
-      for (Index i0 = 0; i0 < count; i0 += MERGE_CHUNK) {
-        float w[MERGE_CHUNK];
-        InPack x[MERGE_CHUNK];
+      for (Index i0 = 0; i0 < loop_count; i0 += kChunk) {
+        if (i0 > 0) load_chunk(i0);
 #pragma unroll
-        for (int j = 0; j < MERGE_CHUNK; ++j) {
-          const Index i = min(i0 + j, count - 1);
-          w[j] = weight_of(lse_of(i));
-          x[j] = has_pack ? load_pack(reinterpret_cast<const InPack*>(v_at.at(v0, v1, first + i)) + lane) : InPack{};
-        }
-#pragma unroll
-        for (int j = 0; j < MERGE_CHUNK; ++j) {
-          if (i0 + j >= count) break;  // uniform across the row
+        for (int j = 0; j < kChunk; ++j) {
+          if (i0 + j >= loop_count) break;  // uniform across the warp
+          const float w = i0 + j < count ? weight(broken, S, lse[j]) : 0.0f;
           float partial = 0.0f;
-          InPack g;
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) {
-            const float d = to_float(held.v[k]);
-            partial = fmaf(d, to_float(x[j].v[k]), partial);
-            g.v[k] = from_float<TIn>(w[j] == 0.0f ? 0.0f : w[j] * d);
-          }
-          if (has_pack) store_pack(reinterpret_cast<InPack*>(gv_at.at(gv0, gv1, first + i0 + j)) + lane, g);
-          finish_state(i0 + j, w[j], partial);
+          store_value_gradient(i0 + j, state_gradient(w, x[j], dV, partial));
+          finish_state(i0 + j, w, partial);
         }
       }
     } else {
 #pragma unroll 4
-      for (Index i = 0; i < count; ++i) {
-        const float w = weight_of(lse_of(i));
-        const InPack* vi = reinterpret_cast<const InPack*>(v_at.at(v0, v1, first + i));
-        InPack* gvi = reinterpret_cast<InPack*>(gv_at.at(gv0, gv1, first + i));
+      for (Index i = 0; i < loop_count; ++i) {
+        const bool real = i < count;
+        const float w = real ? weight(broken, S, lse_of(i)) : 0.0f;
+        const InPack* vi = reinterpret_cast<const InPack*>(v_at.at(loaded(i)));
         float partial = 0.0f;
-        for (Index p = lane; p < packs; p += row_lanes) {
+        for (Index p = lane; real && p < packs; p += row_lanes) {
           const OutPack dv = dV_row != nullptr ? dV_row[p] : OutPack{};
-          const InPack x = load_pack(vi + p);
-          InPack g;
+          float d[VEC];
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) {
-            const float d = to_float(dv.v[k]);
-            partial = fmaf(d, to_float(x.v[k]), partial);
-            g.v[k] = from_float<TIn>(w == 0.0f ? 0.0f : w * d);
-          }
-          store_pack(gvi + p, g);
+          for (int k = 0; k < VEC; ++k) d[k] = to_float(dv.v[k]);
+          const InPack g = state_gradient(w, load_pack(vi + p), d, partial);
+          if (valid) store_pack(reinterpret_cast<InPack*>(gv_at.at(first + i)) + p, g);
         }
         finish_state(i, w, partial);
       }
     }
-    for (Index i = lane; i < count; i += row_lanes) {
-      float* gsi = gs_at.at(gs0, gs1, first + i);
-      const float w = weight_of(lse_of(i));
-      const float natural = w == 0.0f ? 0.0f : *gsi + w * (dS - dot_v);
-      *gsi = broken ? quiet_nan() : natural * ln2_if_base_2;
+    // ds_i = w_i d_i + w_i (dS - <dV, V>), by the lane that kept state i's share.
+    Index slot = 0;
+    for (Index i = lane; valid && i < count; i += row_lanes, ++slot) {
+      float* gsi = gs_at.at(first + i);
+      const bool kept = slot < kBackwardSlots;
+      const float w = kept ? saved_weights[slot][thread] : weight(broken, S, lse_of(i));
+      const float term = kept ? saved_terms[slot][thread] : *gsi;
+      *gsi = lse_gradient(broken, w, term, dot_v);
     }
-    if constexpr (SINKS) {
-      if (lane == 0 && !bad) {
-        const float w_z = broken ? quiet_nan() : S == positive_infinity() ? 1.0f
-                          : S == negative_infinity() ? 0.0f : exp_weight(sink - S);
-        const float d_z = w_z == 0.0f ? 0.0f : w_z * (dS - dot_v);
-        atomicAdd(grad_sinks + head, d_z);
-      }
-    }
+    add_sink_gradient(broken, S, dot_v);
   }
 }
 

@@ -180,7 +180,7 @@ RANK_SCALE = KernelFamily(
 BACKWARD = KernelFamily(
     BACKWARD_SOURCE,
     "merge_states_backward",
-    ("TIn", "TOut", "VEC", "ONE_PACK", "RAGGED", "SINKS", "Index"),
+    ("TIn", "TOut", "VEC", "ONE_PACK", "SHORT", "RAGGED", "SINKS", "Index"),
     (
         "gv0", "gv1", "gs0", "gs1", "grad_sinks", "v0", "v1", "s0", "s1", "grad_out", "grad_lse", "sinks",
         "indptr", "indptr_bytes", "indptr_stride", "num_states", "num_tokens", "num_heads", "head_size",
@@ -189,7 +189,7 @@ BACKWARD = KernelFamily(
         "s0_stride_head", "s0_stride_token", "s1_stride_head", "s1_stride_token", "s_stride_state",
         "gs0_stride_head", "gs0_stride_token", "gs1_stride_head", "gs1_stride_token", "gs_stride_state",
         "grad_out_stride_token", "grad_out_stride_head", "grad_lse_stride_head", "grad_lse_stride_token",
-        "sinks_stride", "lanes", "lse_base_2",
+        "sinks_stride", "lanes", "lse_base_2", "head_multiplier", "head_shift",
     ),
 )  # fmt: skip
 
@@ -200,6 +200,10 @@ FAMILIES = (TWO_STRIDED, TWO_PACKED, MANY_STRIDED, MANY_PACKED, RANK_PACK, RANK_
 VECTOR_WIDTHS = {4: (4, 2, 1), 2: (8, 4, 2, 1)}
 #: Instantiated values of the other template parameters (the planner chooses among them).
 STRIDED_ROWS = (1, 2)
+#: The gradient kernel's (ONE_PACK, SHORT, RAGGED): SHORT rows (dense, of at most 2 or 4 states:
+#: two-way merges) are held whole in registers.
+BACKWARD_ROW_KINDS = ((False, 0, False), (False, 0, True), (True, 0, False), (True, 0, True), (True, 2, False),
+                      (True, 4, False))  # fmt: skip
 INDEX_TYPES = ("int", "long long")
 
 
@@ -237,10 +241,9 @@ def module_instances(module: Module) -> list[str]:
     a, b, sinks = module.in_dtype, module.out_dtype, module.sinks
     if module.source == BACKWARD_SOURCE:
         return [
-            BACKWARD.instance(TIn=a, TOut=b, VEC=vec, ONE_PACK=one, RAGGED=ragged, SINKS=sinks, Index=index)
+            BACKWARD.instance(TIn=a, TOut=b, VEC=vec, ONE_PACK=one, SHORT=short, RAGGED=ragged, SINKS=sinks, Index=index)
             for vec in vector_widths(a, b)
-            for one in (False, True)
-            for ragged in (False, True)
+            for one, short, ragged in BACKWARD_ROW_KINDS
             for index in INDEX_TYPES
         ]
     if module.source == RANKS_SOURCE:

@@ -519,7 +519,8 @@ def plan_backward(
     packs = head_size // vec
     lanes = min(32, 1 << max(packs - 1, 0).bit_length())
     rows_y = BACKWARD_THREADS // lanes
-    grid = (max(1, min(-(-num_tokens * num_heads // rows_y), MAX_GRID_X)), 1, 1)
+    rows = num_tokens * num_heads
+    grid = (max(1, min(-(-rows // rows_y), MAX_GRID_X)), 1, 1)
     args: dict[str, Any] = {
         "gv0": Pointer("grad_v"), "gs0": Pointer("grad_s"), "v0": Pointer("v"), "s0": Pointer("s"),
         "grad_out": Pointer("grad_out"), "grad_lse": _pointer(specs, "grad_lse"),
@@ -544,11 +545,16 @@ def plan_backward(
             f"{array}0_stride_token": token_first, f"{array}1_stride_token": token_rest,
         })  # fmt: skip
     index = index_type(
-        [v, specs.s, specs.grad_v, specs.grad_s, specs.v_b, specs.s_b, specs.grad_v_b, specs.grad_s_b],
-        num_tokens * num_heads,
+        [v, specs.s, specs.grad_v, specs.grad_s, specs.v_b, specs.s_b, specs.grad_v_b, specs.grad_s_b, grad_out,
+         specs.grad_lse],
+        rows,
         num_states,
-    )
-    template = {"TIn": state.dtype, "TOut": grad_out.dtype, "VEC": vec, "ONE_PACK": packs <= lanes,
+    )  # fmt: skip
+    head = fast_divisor(num_heads)  # the 32-bit kernels' token = row / heads
+    args.update({"head_multiplier": head.multiplier, "head_shift": head.shift})
+    one_pack = packs <= lanes
+    short = 0 if not one_pack or ragged or num_states == 0 else 2 if num_states == 2 else 4 if num_states <= 4 else 0
+    template = {"TIn": state.dtype, "TOut": grad_out.dtype, "VEC": vec, "ONE_PACK": one_pack, "SHORT": short,
                 "RAGGED": ragged, "SINKS": specs.sinks is not None, "Index": index}  # fmt: skip
     return (_launch(cat.BACKWARD, module, template, grid, (lanes, rows_y, 1), 0, args),)
 

@@ -59,7 +59,7 @@ def test_an_older_architecture_compiles_too():
 def _signature(source: str, name: str) -> tuple[list[str], list[str]]:
     """Template parameter names and parameter names of ``__global__ void name(...)`` in ``source``."""
     match = re.search(
-        r"template <([^>]*)>\s*__global__ void (?:__launch_bounds__\(\d+\) )?" + name + r"\(([^)]*)\)", source
+        r"template <([^>]*)>\s*__global__ void (?:__launch_bounds__\([^)]*\) )?" + name + r"\(([^)]*)\)", source
     )
     assert match, f"no __global__ {name} in the source"
     template = [part.split()[-1] for part in match.group(1).split(",")]

@@ -22,7 +22,7 @@ def _close(got, want, dtype, what):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("num_states, tokens, head_size", [(1, 5, 64), (3, 17, 128), (40, 3, 256), (7, 9, 72)])
+@pytest.mark.parametrize("num_states, tokens, head_size", [(1, 5, 64), (3, 17, 128), (40, 3, 256), (7, 9, 72), (130, 2, 64)])
 @pytest.mark.parametrize("lse_base", ["e", 2])
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_the_n_way_gradients_follow_the_reference(rng, dtype, grad_dtype, num_states, tokens, head_size, lse_base,
@@ -66,10 +66,11 @@ def test_the_two_way_gradients_take_any_strides_and_no_lse_gradient(rng, backend
 
 
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_the_ragged_gradients_zero_the_rows_no_token_owns(rng, with_sinks):
+@pytest.mark.parametrize("counts", [[3, 0, 1, 6], [70, 0, 200, 5]])  # the second past the shares a lane keeps
+def test_the_ragged_gradients_zero_the_rows_no_token_owns(rng, with_sinks, counts):
     import cupy
 
-    counts = np.array([3, 0, 1, 6])
+    counts = np.array(counts)
     indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     rows, heads, head_size = int(indptr[-1]) + 2, 4, 64  # two trailing rows no token owns
     v = to_device(rng.standard_normal((rows, heads, head_size)), "bfloat16")
@@ -99,3 +100,25 @@ def test_zero_weight_states_with_nan_values_get_zero_gradients(rng):
     got_v, got_s = to_host(got_v), to_host(got_s)
     assert np.isfinite(got_v).all() and np.isfinite(got_s).all()
     assert (got_v[2] == 0).all() and (got_s[2] == 0).all()
+
+
+@pytest.mark.parametrize("num_states", [2, 5, 130])
+def test_rows_with_nan_infinite_or_no_lses_follow_the_reference(rng, num_states):
+    """A NaN LSE makes its row's gradients NaN, +inf counts as an empty state, an empty row gets zeros."""
+    tokens, heads, head_size = 4, 2, 64
+    v = rng.standard_normal((num_states, tokens, heads, head_size))
+    lse = rng.standard_normal((num_states, heads, tokens)) * 2
+    lse[-1, 0, 1] = np.nan
+    lse[0, 1, 2] = np.inf
+    lse[:, 1, 3] = -np.inf
+    grad_v, grad_s = rng.standard_normal((tokens, heads, head_size)), rng.standard_normal((heads, tokens))
+    got = backward.merge_states_backward(*(to_device(x, dtype) for x, dtype in (
+        (v, "bfloat16"), (lse, "float32"), (grad_v, "bfloat16"), (grad_s, "float32"))))  # fmt: skip
+    want = reference.merge_states_backward(to_host(to_device(v, "bfloat16")), lse.astype(np.float32),
+                                           to_host(to_device(grad_v, "bfloat16")), grad_s)  # fmt: skip
+    for index, what in enumerate(["grad of v", "grad of s"]):
+        got_host = to_host(got[index])
+        nan = np.isnan(want[index])
+        assert nan.any() and (np.isnan(got_host) == nan).all(), f"{what}: NaN where the reference has none, or not"
+        assert relative_error(got_host[~nan], want[index][~nan]) <= TOLERANCE["bfloat16"], what
+    assert (to_host(got[0])[:, 3, 1] == 0).all() and (to_host(got[1])[:, 1, 3] == 0).all()
