@@ -64,7 +64,8 @@ constexpr unsigned kWarp = 0xffffffffu;
 __device__ __forceinline__ float row_sum(float x, int lanes) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
-    if (offset < lanes) x += __shfl_xor_sync(kWarp, x, offset, lanes);
+    const float other = __shfl_xor_sync(kWarp, x, offset, lanes);  // unconditional: no branch a level
+    if (offset < lanes) x += other;
   }
   return x;
 }
