@@ -157,19 +157,6 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index>) m
       token = row / heads;
     }
     const Index head = row - token * heads;
-    // Loads that need nothing of the row's states are issued first, with a ragged token's offsets
-    // and then its states' LSEs and values, so that their round trips overlap.
-    const float dS = grad_lse == nullptr ? 0.0f
-                     : grad_lse[head * static_cast<Index>(grad_lse_stride_head) + token * static_cast<Index>(grad_lse_stride_token)] * log2e_if_base_2;
-    const OutPack* dV_row = grad_out == nullptr ? nullptr
-                            : reinterpret_cast<const OutPack*>(grad_out + (token * static_cast<Index>(grad_out_stride_token) +
-                                                                           head * static_cast<Index>(grad_out_stride_head)));
-    float dV[VEC] = {};  // ONE_PACK: this lane's pack of dV, widened once for every state (zero past the row)
-    if (ONE_PACK && dV_row != nullptr && has_pack) {
-      const OutPack held = dV_row[pack];
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) dV[k] = to_float(held.v[k]);
-    }
     Index first = 0, count = SHORT == 2 ? 2 : static_cast<Index>(num_states);
     bool bad = false;
     if constexpr (RAGGED) {
@@ -196,6 +183,19 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index>) m
     auto loaded = [&](Index i) { return count == 0 ? 0 : first + min(i, count - 1); };
     auto lse_of = [&](Index i) { return empty_if_inf(*lse_at.at(loaded(i))) * to_natural; };
     auto v_pack = [&](Index i) { return load_pack(reinterpret_cast<const InPack*>(v_at.at(loaded(i))) + pack); };
+    // Loads that need nothing of S are issued first, together, so that one memory round trip
+    // serves them.
+    const float dS = grad_lse == nullptr ? 0.0f
+                     : grad_lse[head * static_cast<Index>(grad_lse_stride_head) + token * static_cast<Index>(grad_lse_stride_token)] * log2e_if_base_2;
+    const OutPack* dV_row = grad_out == nullptr ? nullptr
+                            : reinterpret_cast<const OutPack*>(grad_out + (token * static_cast<Index>(grad_out_stride_token) +
+                                                                           head * static_cast<Index>(grad_out_stride_head)));
+    float dV[VEC] = {};  // ONE_PACK: this lane's pack of dV, widened once for every state (zero past the row)
+    if (ONE_PACK && dV_row != nullptr && has_pack) {
+      const OutPack held = dV_row[pack];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) dV[k] = to_float(held.v[k]);
+    }
     const float sink = sink_logit<SINKS>(sinks, static_cast<int>(sinks_stride), head);
     // w_i dV as TIn, and this lane's part of <dV, V_i>.
     auto state_gradient = [&](float w, const InPack& x, const float (&d)[VEC], float& partial) {
