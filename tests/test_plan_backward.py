@@ -1,0 +1,82 @@
+"""The gradient kernel's plans on ArrayViews: which rows are short, lanes, offsets. No GPU needed."""
+
+from __future__ import annotations
+
+import pytest
+from views import arguments, template, view
+
+from cupy_merge import _catalogue as cat
+from cupy_merge import _dispatch, _plan, _tuning
+from cupy_merge._operands import BackwardOperands, BackwardOptions
+from cupy_merge.backward import _MERGE_STATE_BACKWARD, _MERGE_STATES_BACKWARD, _MERGE_STATES_VARLEN_BACKWARD
+
+TOKENS, HEADS = 5, 3
+
+
+def _plan_of(operation, operands):
+    planned = _dispatch.plan_for(operation, BackwardOptions(), _tuning.DEFAULT, operands)
+    (launch,) = planned.plan
+    assert launch.kernel in cat.module_instances(launch.module), launch.kernel
+    return launch
+
+
+def _dense(states, head_size=128, dtype="bfloat16", grad_out=None):
+    return BackwardOperands(
+        None, None,
+        view((states, TOKENS, HEADS, head_size), dtype, ptr=1 << 32),
+        view((states, HEADS, TOKENS), "float32", ptr=2 << 32),
+        grad_out or view((TOKENS, HEADS, head_size), dtype, ptr=3 << 32),
+        view((HEADS, TOKENS), "float32", ptr=4 << 32),
+    )  # fmt: skip
+
+
+def _two_way(head_size=128):
+    return BackwardOperands(
+        None, None,
+        view((TOKENS, HEADS, head_size), "bfloat16", ptr=1 << 32), view((HEADS, TOKENS), "float32", ptr=2 << 32),
+        view((TOKENS, HEADS, head_size), "bfloat16", ptr=3 << 32), None,
+        view((TOKENS, HEADS, head_size), "bfloat16", ptr=5 << 32), view((HEADS, TOKENS), "float32", ptr=6 << 32),
+    )  # fmt: skip
+
+
+def test_a_two_way_gradient_takes_the_two_state_short_rows():
+    launch = _plan_of(_MERGE_STATE_BACKWARD, _two_way())
+    assert template(launch)["SHORT"] == "2" and template(launch)["ONE_PACK"] == "true"
+    assert launch.block == (16, _plan.BACKWARD_THREADS // 16, 1)  # 16 packs of 8 a row
+
+
+@pytest.mark.parametrize("states, short", [(1, "4"), (2, "2"), (3, "4"), (4, "4"), (5, "0"), (64, "0")])
+def test_dense_rows_of_at_most_four_states_are_short(states, short):
+    assert template(_plan_of(_MERGE_STATES_BACKWARD, _dense(states)))["SHORT"] == short
+
+
+def test_rows_of_more_packs_than_lanes_are_not_short():
+    launch = _plan_of(_MERGE_STATES_BACKWARD, _dense(2, head_size=512, dtype="float32"))  # 128 packs of 4
+    assert template(launch)["ONE_PACK"] == "false" and template(launch)["SHORT"] == "0"
+    assert launch.block == (32, _plan.BACKWARD_THREADS // 32, 1)
+
+
+def test_ragged_rows_are_never_short():
+    rows = 7
+    operands = BackwardOperands(
+        None, None,
+        view((rows, HEADS, 64), "bfloat16", ptr=1 << 32), view((HEADS, rows), "float32", ptr=2 << 32),
+        view((TOKENS, HEADS, 64), "bfloat16", ptr=3 << 32), None,
+        indptr=view((TOKENS + 1,), "int32", ptr=4 << 32),
+    )  # fmt: skip
+    launch = _plan_of(_MERGE_STATES_VARLEN_BACKWARD, operands)
+    assert template(launch)["RAGGED"] == "true" and template(launch)["SHORT"] == "0"
+
+
+def test_the_32_bit_kernels_divide_rows_by_heads_with_the_hosts_multiplier():
+    args = arguments(_plan_of(_MERGE_STATES_BACKWARD, _dense(3)))
+    divisor = _plan.fast_divisor(HEADS)
+    assert (args["head_multiplier"], args["head_shift"]) == (divisor.multiplier, divisor.shift)
+    assert all(_plan.fast_divide(row, divisor) == row // HEADS for row in range(TOKENS * HEADS))
+
+
+def test_a_huge_incoming_gradient_alone_takes_64_bit_offsets():
+    """dV's and dS's offsets are computed in Index too: their extent counts."""
+    assert template(_plan_of(_MERGE_STATES_BACKWARD, _dense(3)))["Index"] == "int"
+    huge = view((TOKENS, HEADS, 128), "bfloat16", ptr=3 << 32, strides=(cat.INDEX_32_LIMIT, 128, 1))
+    assert template(_plan_of(_MERGE_STATES_BACKWARD, _dense(3, grad_out=huge)))["Index"] == "long long"
