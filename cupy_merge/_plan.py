@@ -550,9 +550,14 @@ def plan_backward(
         rows,
         num_states,
     )  # fmt: skip
-    head = fast_divisor(num_heads)  # the 32-bit kernels' token = row / heads
-    args.update({"head_multiplier": head.multiplier, "head_shift": head.shift})
-    one_pack = packs <= lanes
+    if index == "int":  # the 32-bit kernels' token = row / heads
+        head = fast_divisor(num_heads)
+        args.update({"head_multiplier": head.multiplier, "head_shift": head.shift})
+    else:
+        args.update({"head_multiplier": 0, "head_shift": 0})
+    # One pack a lane loads every lane's pack unconditionally: rows of no values (head_size 0, a
+    # null pointer) take the other path, which loads only packs that exist.
+    one_pack = 0 < packs <= lanes
     short = 0 if not one_pack or ragged or num_states == 0 else 2 if num_states == 2 else 4 if num_states <= 4 else 0
     template = {"TIn": state.dtype, "TOut": grad_out.dtype, "VEC": vec, "ONE_PACK": one_pack, "SHORT": short,
                 "RAGGED": ragged, "SINKS": specs.sinks is not None, "Index": index}  # fmt: skip

@@ -122,3 +122,18 @@ def test_rows_with_nan_infinite_or_no_lses_follow_the_reference(rng, num_states)
         assert nan.any() and (np.isnan(got_host) == nan).all(), f"{what}: NaN where the reference has none, or not"
         assert relative_error(got_host[~nan], want[index][~nan]) <= TOLERANCE["bfloat16"], what
     assert (to_host(got[0])[:, 3, 1] == 0).all() and (to_host(got[1])[:, 1, 3] == 0).all()
+
+
+@pytest.mark.parametrize("num_states", [2, 3, 9])
+def test_rows_of_no_values_still_get_their_lse_gradients(rng, num_states):
+    """head_size 0: no value is read (the arrays have no memory); ds_i = w_i dS."""
+    tokens, heads = 3, 2
+    v = np.zeros((num_states, tokens, heads, 0))
+    lse = rng.standard_normal((num_states, heads, tokens))
+    grad_s = rng.standard_normal((heads, tokens))
+    got = backward.merge_states_backward(to_device(v, "float32"), to_device(lse, "float32"),
+                                         to_device(np.zeros((tokens, heads, 0)), "float32"),
+                                         to_device(grad_s, "float32"))  # fmt: skip
+    want = reference.merge_states_backward(v, lse.astype(np.float32), np.zeros((tokens, heads, 0)), grad_s)
+    assert to_host(got[0]).shape == v.shape
+    _close(got[1], want[1], "float32", "grad of s")

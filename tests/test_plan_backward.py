@@ -80,3 +80,17 @@ def test_a_huge_incoming_gradient_alone_takes_64_bit_offsets():
     assert template(_plan_of(_MERGE_STATES_BACKWARD, _dense(3)))["Index"] == "int"
     huge = view((TOKENS, HEADS, 128), "bfloat16", ptr=3 << 32, strides=(cat.INDEX_32_LIMIT, 128, 1))
     assert template(_plan_of(_MERGE_STATES_BACKWARD, _dense(3, grad_out=huge)))["Index"] == "long long"
+
+
+def test_rows_of_no_values_take_the_path_that_loads_only_packs_that_exist():
+    """head_size 0: V is a null pointer, and one pack a lane would load a pack of it anyway."""
+    launch = _plan_of(_MERGE_STATES_BACKWARD, _dense(3, head_size=0))
+    assert template(launch)["ONE_PACK"] == "false" and template(launch)["SHORT"] == "0"
+    launch = _plan_of(_MERGE_STATE_BACKWARD, _two_way(head_size=0))
+    assert template(launch)["ONE_PACK"] == "false"
+
+
+def test_64_bit_kernels_get_no_divisor():
+    huge = view((TOKENS, HEADS, 128), "bfloat16", ptr=3 << 32, strides=(cat.INDEX_32_LIMIT, 128, 1))
+    args = arguments(_plan_of(_MERGE_STATES_BACKWARD, _dense(3, grad_out=huge)))
+    assert (args["head_multiplier"], args["head_shift"]) == (0, 0)
