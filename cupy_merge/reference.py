@@ -399,7 +399,8 @@ def _backward(v, s, grad_v, grad_s, sinks, log_base):
         grad_states_s = np.where(weights == 0.0, 0.0, weights * (inner - dot_v[None] + grad_s[None])) * log_base
         grad_sinks = None
         if sinks is not None:
-            w_z = np.where(big == -np.inf, 0.0, np.exp(sinks[:, None] - big))
+            # A +inf sink takes all the weight (the forward's rule): w_z = 1, not exp(inf - inf).
+            w_z = np.where(big == -np.inf, 0.0, np.where(sinks[:, None] == np.inf, 1.0, np.exp(sinks[:, None] - big)))
             grad_sinks = (w_z * (grad_s - dot_v)).sum(axis=1)
     return grad_states_v, grad_states_s, grad_sinks
 

@@ -86,3 +86,15 @@ def test_bad_gradient_shapes_are_refused_naming_the_argument():
         reference.merge_states_backward(np.ones((2, 3, 1, 4)), np.zeros((2, 1, 3)), np.ones((3, 1, 5)))
     with pytest.raises(ValueError, match="^s: expected shape"):
         reference.merge_states_backward(np.ones((2, 3, 1, 4)), np.zeros((2, 3, 1)), np.ones((3, 1, 4)))
+
+
+def test_a_sink_of_plus_infinity_takes_all_the_weight_so_its_gradient_is_the_lse_gradients():
+    """The forward gives a +inf sink's head zeros and S = +inf; dS/dz is then 1, and nothing else moves."""
+    rng = np.random.default_rng(3)
+    v, s = rng.standard_normal((3, 4, 2, 5)), rng.standard_normal((3, 2, 4))
+    grad_v, grad_s = rng.standard_normal((4, 2, 5)), rng.standard_normal((2, 4))
+    sinks = np.array([np.inf, 0.5])
+    got_v, got_s, got_z = reference.merge_states_backward(v, s, grad_v, grad_s, sinks=sinks)
+    assert got_z[0] == grad_s[0].sum() and (got_v[:, :, 0] == 0).all() and (got_s[:, 0] == 0).all()
+    finite = reference.merge_states_backward(v, s, grad_v, grad_s, sinks=np.array([0.0, 0.5]))
+    np.testing.assert_allclose(got_z[1], finite[2][1])  # the other head as with any sink

@@ -137,3 +137,15 @@ def test_rows_of_no_values_still_get_their_lse_gradients(rng, num_states):
     want = reference.merge_states_backward(v, lse.astype(np.float32), np.zeros((tokens, heads, 0)), grad_s)
     assert to_host(got[0]).shape == v.shape
     _close(got[1], want[1], "float32", "grad of s")
+
+
+def test_a_sink_of_plus_infinity_gets_the_references_gradients(rng):
+    tokens, heads, head_size = 6, 3, 64
+    v = rng.standard_normal((4, tokens, heads, head_size))
+    lse, grad_v = rng.standard_normal((4, heads, tokens)), rng.standard_normal((tokens, heads, head_size))
+    grad_s, sinks = rng.standard_normal((heads, tokens)), np.array([np.inf, 0.3, -1.0])
+    got = backward.merge_states_backward(*(to_device(x, "float32") for x in (v, lse, grad_v, grad_s)),
+                                         sinks=to_device(sinks, "float32"))  # fmt: skip
+    want = reference.merge_states_backward(v, lse.astype(np.float32), grad_v, grad_s, sinks=sinks)
+    for index, what in enumerate(["grad of v", "grad of s", "grad of the sinks"]):
+        _close(got[index], want[index], "float32", what)
