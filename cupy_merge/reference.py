@@ -378,19 +378,9 @@ def _gradient(grad: ArrayLike | None, name: str, shape: tuple[int, ...]) -> np.n
 
 def _backward(v, s, grad_v, grad_s, sinks, log_base):
     """Natural-log ``s`` and ``grad_s``; the gradients with ``s``'s back in the caller's base."""
-    s = np.where(s == np.inf, -np.inf, s)
-    if sinks is not None:
-        s_all = np.concatenate([s, np.broadcast_to(sinks[None, :, None], (1, *s.shape[1:]))])
-    else:
-        s_all = s
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        if s_all.shape[0] == 0:
-            big = np.full(s.shape[1:], -np.inf)
-        else:
-            top = np.max(s_all, axis=0)
-            safe = np.where(np.isfinite(top), top, 0.0)
-            big = np.where(top == -np.inf, -np.inf, safe + np.log(np.exp(s_all - safe).sum(axis=0)))
-        weights = np.where(big == -np.inf, 0.0, np.exp(s - big))  # [states, heads, tokens]
+    all_weights, _, _ = _weights(s, sinks)  # a NaN row's weights are NaN, and so its gradients
+    weights = all_weights[: v.shape[0]]  # [states, heads, tokens]
+    with np.errstate(invalid="ignore"):
         w = np.swapaxes(weights, 1, 2)[..., None]  # [states, tokens, heads, 1]
         merged = np.where(w == 0.0, 0.0, w * v).sum(axis=0)
         inner = np.einsum("thd,sthd->sht", grad_v, np.where(w == 0.0, 0.0, v))
@@ -398,10 +388,8 @@ def _backward(v, s, grad_v, grad_s, sinks, log_base):
         grad_states_v = np.where(w == 0.0, 0.0, w * grad_v[None])
         grad_states_s = np.where(weights == 0.0, 0.0, weights * (inner - dot_v[None] + grad_s[None])) * log_base
         grad_sinks = None
-        if sinks is not None:
-            # A +inf sink takes all the weight (the forward's rule): w_z = 1, not exp(inf - inf).
-            w_z = np.where(big == -np.inf, 0.0, np.where(sinks[:, None] == np.inf, 1.0, np.exp(sinks[:, None] - big)))
-            grad_sinks = (w_z * (grad_s - dot_v)).sum(axis=1)
+        if sinks is not None:  # w_z: the sink's weight (1 for a +inf sink, which takes it all)
+            grad_sinks = (all_weights[-1] * (grad_s - dot_v)).sum(axis=1)
     return grad_states_v, grad_states_s, grad_sinks
 
 
@@ -511,18 +499,19 @@ def _sinks(sinks: ArrayLike | None, num_heads: int, like: str) -> np.ndarray | N
     return _f64(array)
 
 
-def _merge(v: np.ndarray, s: np.ndarray, sinks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``v`` ``[states, tokens, heads, dim]``, ``s`` ``[states, heads, tokens]``, natural log;
-    ``sinks`` ``[heads]``: a state of value 0 and LSE ``sink`` in every token of its head."""
+def _weights(s: np.ndarray, sinks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The merge's rules on natural-log ``s`` ``[states, heads, tokens]`` (``sinks`` ``[heads]``: one
+    more state a head): each state's weight ``[states (+1, the sink last), heads, tokens]``, the
+    merged LSE ``[heads, tokens]`` and where a NaN LSE or sink makes the row NaN. +inf LSEs are
+    empty states; a +inf sink takes all the weight (LSE +inf); an all-empty row weighs nothing."""
     s = np.where(s == np.inf, -np.inf, s)  # FlashAttention-2 marks empty rows with +inf
     if sinks is not None:
         s = np.concatenate([s, np.broadcast_to(sinks[None, :, None], (1, *s.shape[1:]))])
-        v = np.concatenate([v, np.zeros((1, *v.shape[1:]))])
     if s.shape[0] == 0:
-        return np.zeros(v.shape[1:]), np.full(s.shape[1:], -np.inf)
+        return np.zeros(s.shape), np.full(s.shape[1:], -np.inf), np.zeros(s.shape[1:], dtype=bool)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        any_nan = np.isnan(s).any(axis=0)  # a NaN LSE or sink: its row NaN
-        takes_all = np.isposinf(s).any(axis=0)  # a +inf sink: all the weight, values 0
+        any_nan = np.isnan(s).any(axis=0)
+        takes_all = np.isposinf(s).any(axis=0)
         s_max = np.max(s, axis=0)
         all_empty = s_max == -np.inf
         shifted = s - np.where(all_empty | takes_all, 0.0, s_max)
@@ -530,6 +519,15 @@ def _merge(v: np.ndarray, s: np.ndarray, sinks: np.ndarray | None = None) -> tup
         total = weights.sum(axis=0)
         weights = weights / np.where(all_empty, 1.0, total)
         lse = np.where(all_empty, -np.inf, np.where(takes_all, np.inf, s_max + np.log(total)))
+    return weights, lse, any_nan
+
+
+def _merge(v: np.ndarray, s: np.ndarray, sinks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``v`` ``[states, tokens, heads, dim]``, ``s`` ``[states, heads, tokens]``, natural log;
+    ``sinks`` ``[heads]``: a state of value 0 and LSE ``sink`` in every token of its head."""
+    weights, lse, any_nan = _weights(s, sinks)
+    weights = weights[: v.shape[0]]  # the sink's value is 0
+    with np.errstate(invalid="ignore"):
         # [states, heads, tokens] -> [states, tokens, heads, 1], to scale rows of v.
         w = np.swapaxes(weights, 1, 2)[..., None]
         # A state of weight zero contributes nothing, even if its values are NaN.
