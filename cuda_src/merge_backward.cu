@@ -20,8 +20,8 @@
 //
 // Launch: block (lanes, rows_y), 128 threads: `lanes` (a power of two <= 32) threads share a row,
 // striding over its packs; rows_y rows a block; a grid-stride loop over rows. ONE_PACK: every row
-// is at most `lanes` packs, so each thread holds its pack of dV in registers across the states,
-// which it takes MERGE_CHUNK at a time. SHORT (2 or 4; 0 for longer rows): dense rows of exactly
+// is 1 to `lanes` packs (rows of none, head_size 0, take the other path), so each thread holds its
+// pack of dV in registers across the states, which it takes MERGE_CHUNK at a time. SHORT (2 or 4; 0 for longer rows): dense rows of exactly
 // 2 or at most 4 states, kept whole in registers.
 //
 // Session 11 (docs/PERF.md): the kernel was issue- and latency-bound, not memory-bound. Its

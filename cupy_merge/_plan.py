@@ -558,7 +558,9 @@ def plan_backward(
     # One pack a lane loads every lane's pack unconditionally: rows of no values (head_size 0, a
     # null pointer) take the other path, which loads only packs that exist.
     one_pack = 0 < packs <= lanes
-    short = 0 if not one_pack or ragged or num_states == 0 else 2 if num_states == 2 else 4 if num_states <= 4 else 0
+    short = 0  # SHORT: dense rows of exactly 2, or at most 4, states held whole in registers
+    if one_pack and not ragged and 1 <= num_states <= 4:
+        short = 2 if num_states == 2 else 4
     template = {"TIn": state.dtype, "TOut": grad_out.dtype, "VEC": vec, "ONE_PACK": one_pack, "SHORT": short,
                 "RAGGED": ragged, "SINKS": specs.sinks is not None, "Index": index}  # fmt: skip
     return (_launch(cat.BACKWARD, module, template, grid, (lanes, rows_y, 1), 0, args),)
