@@ -124,6 +124,23 @@ rows, rows_s = random_states(22, 8, 64, lse_shape=(8, 22))
 grad = rng.standard_normal((4, 8, 64)).astype(numpy.float32)
 got = cm.merge_states_varlen_backward(cupy.asarray(rows), cupy.asarray(rows_s), cupy.asarray(indptr), cupy.asarray(grad))
 check("backward ragged", got[0], reference.merge_states_varlen_backward(rows, rows_s, indptr, grad)[0], 1e-5)
+# Rows before indptr[0], and a last token past the rows (rows 12..21): the kernel zeroes what no
+# token owns.
+got = cm.merge_states_varlen_backward(cupy.asarray(rows), cupy.asarray(rows_s), cupy.asarray(numpy.array([2, 5, 12, 30], dtype=numpy.int32)),
+                                      cupy.asarray(grad[:3]))  # fmt: skip
+want = numpy.zeros_like(rows)
+want[2:12] = reference.merge_states_varlen_backward(rows[2:12], rows_s[:, 2:12], [0, 3, 10], grad[:2])[0]
+check("backward ragged, rows no token owns", got[0], want, 1e-5)
+# Rows enough for two packs a lane (8192 and more): dense and ragged.
+v, s = random_states(6, 1024, 8, 64, lse_shape=(6, 8, 1024))
+grad = rng.standard_normal((1024, 8, 64)).astype(numpy.float32)
+got = cm.merge_states_backward(cupy.asarray(v), cupy.asarray(s), cupy.asarray(grad))
+check("backward N-way, two packs a lane", got[1], reference.merge_states_backward(v, s, grad)[1], 1e-5)
+indptr = numpy.concatenate([[0], numpy.cumsum(rng.integers(0, 9, 1024))]).astype(numpy.int64)
+rows, rows_s = random_states(int(indptr[-1]), 8, 64, lse_shape=(8, int(indptr[-1])))
+got = cm.merge_states_varlen_backward(cupy.asarray(rows), cupy.asarray(rows_s), cupy.asarray(indptr), cupy.asarray(grad))
+want = reference.merge_states_varlen_backward(rows, rows_s, indptr, grad)
+check("backward ragged, two packs a lane", got[1], want[1], 1e-5)
 
 # FP8 group scales with the LSE written in place over rows longer than a block: two launches.
 v_a, v_b = (cupy.asarray(rng.standard_normal((3, 2, 2048)).astype(numpy.float16)) for _ in range(2))

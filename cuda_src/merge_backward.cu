@@ -15,13 +15,17 @@
 // (strides v1_*): a dense stack passes v1 = v0 + one state, a two-way merge its two arrays, a
 // ragged batch rows indptr[t] + i (token strides 0; the planner points v0/v1 at rows 0 and 1).
 // The same for the LSEs (s0, s1), the value gradients (gv0, gv1) and the LSE gradients (gs0, gs1).
+// Every gradient element is written: a ragged batch's rows before indptr[0], from
+// indptr[num_tokens] on, and between the offsets of a token whose offsets are out of range get
+// zeros; rows two tokens claim (offsets out of order) are unspecified.
 // Gradients of the values are written in TIn, of the LSEs in float32; dV is read in TOut (the
 // forward output's dtype), dS (grad_lse, may be null: 0) in float32.
 //
 // Launch: block (lanes, rows_y), 128 threads: `lanes` (a power of two <= 32) threads share a row,
-// striding over its packs; rows_y rows a block; a grid-stride loop over rows. ONE_PACK: every row
-// is 1 to `lanes` packs (rows of none, head_size 0, take the other path), so each thread holds its
-// pack of dV in registers across the states, which it takes MERGE_CHUNK at a time. SHORT (2 or 4; 0 for longer rows): dense rows of exactly
+// striding over its packs; rows_y rows a block; a grid-stride loop over rows. PACKS (1 or 2): every
+// row is 1 to PACKS x `lanes` packs (rows of none, head_size 0, take PACKS 0, which loops over the
+// packs that exist), so each thread holds its packs of dV in registers across the states, which it
+// takes a chunk at a time (kChunk). SHORT (2 or 4; 0 for longer rows): dense rows of exactly
 // 2 or at most 4 states, kept whole in registers.
 //
 // Session 11 (docs/PERF.md): the kernel was issue- and latency-bound, not memory-bound. Its
@@ -40,11 +44,12 @@ namespace cupy_merge {
 
 // Threads of a block (the planner's BACKWARD_THREADS), and the states a lane keeps in shared memory.
 // With 32-bit offsets the kernel is held to 5 blocks' registers (the ragged rows took 102, which
-// left room for 4; 64-bit offsets would spill).
+// left room for 4; 64-bit offsets would spill), dense rows of two packs a lane to 4 (at 5 they
+// spilled 280 bytes).
 constexpr int kBackwardThreads = 128;
 constexpr int kBackwardSlots = 4;
-template <typename Index>
-constexpr int kBackwardMinBlocks = sizeof(Index) == 4 ? 5 : 1;
+template <typename Index, int PACKS, bool RAGGED>
+constexpr int kBackwardMinBlocks = sizeof(Index) != 4 ? 1 : PACKS == 2 && !RAGGED ? 4 : 5;
 
 // exp(x) for a weight, as ex2.approx.ftz: weights below 2^-126 of the largest state's add
 // nothing a float32 sum keeps, and the flush saves the denormal fix-up (four instructions)
@@ -96,12 +101,22 @@ struct StatePointers {
   __device__ __forceinline__ T* at(Index i) const { return i == 0 ? first : rest + (i - 1) * stride; }
 };
 
+// Rows [from, to) of one head's gradients zeroed, by the `lanes` threads of a row.
+template <int VEC, typename TIn, typename Index>
+__device__ void zero_rows(const StatePointers<TIn, Index>& gv_at, const StatePointers<float, Index>& gs_at, Index from,
+                          Index to, int lane, int lanes, Index packs) {
+  for (Index r = from; r < to; ++r) {
+    for (Index p = lane; p < packs; p += lanes) store_pack(reinterpret_cast<Pack<TIn, VEC>*>(gv_at.at(r)) + p, {});
+    if (lane == 0) *gs_at.at(r) = 0.0f;
+  }
+}
+
 // Index: the integer type of element offsets (int when the host found that every offset fits:
 // 89 registers a thread with long long offsets held the kernel to 31 % occupancy, session 10).
 // Pointers are __restrict__: the gradients are fresh arrays, so a state's loads may be issued
 // before the previous state's stores (states 0 and 1.. of one array are disjoint regions).
-template <typename TIn, typename TOut, int VEC, bool ONE_PACK, int SHORT, bool RAGGED, bool SINKS, typename Index>
-__global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index>) merge_states_backward(
+template <typename TIn, typename TOut, int VEC, int PACKS, int SHORT, bool RAGGED, bool SINKS, typename Index>
+__global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PACKS, RAGGED>) merge_states_backward(
     TIn* __restrict__ gv0, TIn* __restrict__ gv1, float* __restrict__ gs0, float* __restrict__ gs1,
     float* grad_sinks,
     const TIn* __restrict__ v0, const TIn* __restrict__ v1, const float* __restrict__ s0, const float* __restrict__ s1,
@@ -119,8 +134,11 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index>) m
     long long grad_out_stride_token, long long grad_out_stride_head,
     long long grad_lse_stride_head, long long grad_lse_stride_token,
     long long sinks_stride, long long lanes, long long lse_base_2, long long head_multiplier, long long head_shift) {
-  static_assert(SHORT == 0 || (ONE_PACK && !RAGGED), "short rows are dense, one pack a lane");
-  constexpr int kChunk = SHORT > MERGE_CHUNK ? SHORT : MERGE_CHUNK;  // states loaded together
+  static_assert(SHORT == 0 || (PACKS > 0 && !RAGGED), "short rows are dense, their packs held in registers");
+  constexpr int kHeld = PACKS > 0 ? PACKS : 1;  // the packs a lane holds (PACKS 0: its first, unused)
+  // States loaded together. Ragged rows of two packs a lane take 2: their rows are short and of
+  // uneven length, and 4 took 128 registers (session 12: 75-81 % of the copy against 74-78).
+  constexpr int kChunk = SHORT > MERGE_CHUNK ? SHORT : PACKS == 2 && RAGGED ? 2 : MERGE_CHUNK;
   using InPack = Pack<TIn, VEC>;
   using OutPack = Pack<TOut, VEC>;
   // State i's share w_i <dV, V_i> of <dV, V> and its weight, kept (until <dV, V> is known) by
@@ -132,9 +150,14 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index>) m
   const int lane = threadIdx.x;
   const int thread = threadIdx.y * blockDim.x + threadIdx.x;
   const Index packs = static_cast<Index>(head_size / VEC);
-  const bool has_pack = lane < packs;
-  const Index pack = has_pack ? lane : 0;  // the pack this lane loads (lanes past the row's load its first)
   const int row_lanes = static_cast<int>(lanes);
+  bool has_pack[kHeld];
+  Index pack[kHeld];  // the packs this lane loads: lane, lane + lanes, ... (those past the row's: its first)
+#pragma unroll
+  for (int q = 0; q < kHeld; ++q) {
+    has_pack[q] = lane + q * row_lanes < packs;
+    pack[q] = has_pack[q] ? lane + q * row_lanes : 0;
+  }
   const int lane_shift = __ffs(row_lanes) - 1;  // lanes is a power of two
   const float to_natural = lse_to_natural(lse_base_2);
   const float ln2_if_base_2 = lse_base_2 ? kLn2 : 1.0f;
@@ -182,7 +205,9 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index>) m
     // (or the batch's first, for a row of none) stands in, and is not used.
     auto loaded = [&](Index i) { return count == 0 ? 0 : first + min(i, count - 1); };
     auto lse_of = [&](Index i) { return empty_if_inf(*lse_at.at(loaded(i))) * to_natural; };
-    auto v_pack = [&](Index i) { return load_pack(reinterpret_cast<const InPack*>(v_at.at(loaded(i))) + pack); };
+    auto v_pack = [&](Index i, int q) {
+      return load_pack(reinterpret_cast<const InPack*>(v_at.at(loaded(i))) + pack[q]);
+    };
     // Loads that need nothing of S are issued first, together, so that one memory round trip
     // serves them.
     const float dS = grad_lse == nullptr ? 0.0f
@@ -190,11 +215,14 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index>) m
     const OutPack* dV_row = grad_out == nullptr ? nullptr
                             : reinterpret_cast<const OutPack*>(grad_out + (token * static_cast<Index>(grad_out_stride_token) +
                                                                            head * static_cast<Index>(grad_out_stride_head)));
-    float dV[VEC] = {};  // ONE_PACK: this lane's pack of dV, widened once for every state (zero past the row)
-    if (ONE_PACK && dV_row != nullptr && has_pack) {
-      const OutPack held = dV_row[pack];
+    float dV[kHeld][VEC] = {};  // PACKS: this lane's packs of dV, widened once for every state (zero past the row)
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) dV[k] = to_float(held.v[k]);
+    for (int q = 0; q < kHeld; ++q) {
+      if (PACKS && dV_row != nullptr && has_pack[q]) {
+        const OutPack held = dV_row[pack[q]];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) dV[q][k] = to_float(held.v[k]);
+      }
     }
     const float sink = sink_logit<SINKS>(sinks, static_cast<int>(sinks_stride), head);
     // w_i dV as TIn, and this lane's part of <dV, V_i>.
@@ -208,8 +236,17 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index>) m
       if (w == 0.0f) g = InPack{};  // a zero-weight state's gradient is zero even where dV is not finite
       return g;
     };
-    auto store_value_gradient = [&](Index i, const InPack& g) {
-      if (valid && i < count && has_pack) store_pack(reinterpret_cast<InPack*>(gv_at.at(first + i)) + lane, g);
+    // PACKS: state i's value gradients from its packs as held, and this lane's part of <dV, V_i>.
+    auto held_state_gradients = [&](Index i, float w, const InPack (&xi)[kHeld]) {
+      float partial = 0.0f;
+#pragma unroll
+      for (int q = 0; q < kHeld; ++q) {
+        float part = 0.0f;
+        const InPack g = state_gradient(w, xi[q], dV[q], part);
+        partial += has_pack[q] ? part : 0.0f;  // a pack past the row's is its first: 0 x inf would be NaN
+        if (valid && i < count && has_pack[q]) store_pack(reinterpret_cast<InPack*>(gv_at.at(first + i)) + pack[q], g);
+      }
+      return partial;
     };
     auto lse_gradient = [&](bool broken, float w, float term, float dot_v) {
       return broken ? quiet_nan() : (w == 0.0f ? 0.0f : term + w * (dS - dot_v)) * ln2_if_base_2;
@@ -234,17 +271,18 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index>) m
     // The chunk of states i0 .. i0 + kChunk - 1, loaded together (LSEs of states past the row's
     // count -inf).
     float lse[kChunk];
-    InPack x[kChunk];
+    InPack x[kChunk][kHeld];
     auto load_chunk = [&](Index i0) {
 #pragma unroll
       for (int j = 0; j < kChunk; ++j) {
         if (SHORT && j >= SHORT) break;
         const float s = lse_of(i0 + j);
         lse[j] = i0 + j < count ? s : negative_infinity();
-        x[j] = v_pack(i0 + j);
+#pragma unroll
+        for (int q = 0; q < kHeld; ++q) x[j][q] = v_pack(i0 + j, q);
       }
     };
-    if (ONE_PACK && loop_count > 0) load_chunk(0);
+    if (PACKS && loop_count > 0) load_chunk(0);
 
     if constexpr (SHORT > 0) {
       // The whole row in registers: S from its LSEs, every lane holding every state's
@@ -267,8 +305,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index>) m
 #pragma unroll
       for (int j = 0; j < SHORT; ++j) {
         w[j] = j < count ? weight(broken, S, lse[j]) : 0.0f;
-        float partial = 0.0f;
-        store_value_gradient(j, state_gradient(w[j], x[j], dV, partial));
+        const float partial = held_state_gradients(j, w[j], x[j]);
         const float d_j = row_sum(partial, row_lanes);
         term[j] = w[j] == 0.0f ? 0.0f : w[j] * d_j;  // a zero-weight state's NaN values add nothing
         dot_v += term[j];
@@ -331,7 +368,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index>) m
         }
       }
     };
-    if constexpr (ONE_PACK) {
+    if constexpr (PACKS > 0) {
 #pragma unroll 1
       for (Index i0 = 0; i0 < loop_count; i0 += kChunk) {
         if (i0 > 0) load_chunk(i0);
@@ -339,9 +376,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index>) m
         for (int j = 0; j < kChunk; ++j) {
           if (i0 + j >= loop_count) break;  // uniform across the warp
           const float w = i0 + j < count ? weight(broken, S, lse[j]) : 0.0f;
-          float partial = 0.0f;
-          store_value_gradient(i0 + j, state_gradient(w, x[j], dV, partial));
-          finish_state(i0 + j, w, partial);
+          finish_state(i0 + j, w, held_state_gradients(i0 + j, w, x[j]));
         }
       }
     } else {
@@ -372,6 +407,30 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index>) m
       *gsi = lse_gradient(broken, w, term, dot_v);
     }
     add_sink_gradient(broken, S, dot_v);
+    if (RAGGED && valid && bad) {  // no token may own the rows between its offsets: zeros, not stale memory
+      const long long begin = indptr_entry(indptr, indptr_bytes, indptr_stride, token);
+      const long long end = indptr_entry(indptr, indptr_bytes, indptr_stride, token + 1);
+      const auto clamped = [&](long long r) { return static_cast<Index>(min(max(r, 0ll), num_states)); };
+      zero_rows<VEC>(gv_at, gs_at, clamped(min(begin, end)), clamped(max(begin, end)), lane, row_lanes, packs);
+    }
+  }
+  if constexpr (RAGGED) {
+    // The rows before indptr[0] and from indptr[num_tokens] on belong to no token: zero (the
+    // gradients are not allocated as zeros: that cost a pass over them, session 12). Row-major
+    // over the grid's rows of threads, so neighbouring rows of threads write neighbouring memory.
+    const long long lead = min(max(indptr_entry(indptr, indptr_bytes, indptr_stride, 0), 0ll), num_states);
+    const long long trail = min(max(indptr_entry(indptr, indptr_bytes, indptr_stride, num_tokens), lead), num_states);
+    const Index unowned = static_cast<Index>(lead + num_states - trail);
+    for (Index q = static_cast<Index>(blockIdx.x) * blockDim.y + threadIdx.y; q < unowned * heads;
+         q += static_cast<Index>(gridDim.x) * blockDim.y) {
+      const Index r = q / heads, head = q - r * heads;
+      const Index row = r < lead ? r : static_cast<Index>(trail) + (r - static_cast<Index>(lead));
+      const auto gv_at = StatePointers<TIn, Index>::of(gv0, gv1, 0, head, gv0_stride_token, gv0_stride_head,
+                                                       gv1_stride_token, gv1_stride_head, gv_stride_state);
+      const auto gs_at = StatePointers<float, Index>::of(gs0, gs1, 0, head, gs0_stride_token, gs0_stride_head,
+                                                         gs1_stride_token, gs1_stride_head, gs_stride_state);
+      zero_rows<VEC>(gv_at, gs_at, row, row + 1, lane, row_lanes, packs);
+    }
   }
 }
 

@@ -17,16 +17,17 @@ struct RaggedRow {
   bool bad;
 };
 
+// Entry i of indptr, read at its own width.
+__device__ __forceinline__ long long indptr_entry(const void* indptr, long long indptr_bytes, long long indptr_stride,
+                                                  long long i) {
+  return indptr_bytes == 8 ? static_cast<const long long*>(indptr)[i * indptr_stride]
+                           : static_cast<const int*>(indptr)[i * indptr_stride];
+}
+
 __device__ __forceinline__ RaggedRow ragged_row(const void* indptr, long long indptr_bytes, long long indptr_stride,
                                                 long long token, long long num_states) {
-  long long begin, end;
-  if (indptr_bytes == 8) {
-    begin = static_cast<const long long*>(indptr)[token * indptr_stride];
-    end = static_cast<const long long*>(indptr)[(token + 1) * indptr_stride];
-  } else {
-    begin = static_cast<const int*>(indptr)[token * indptr_stride];
-    end = static_cast<const int*>(indptr)[(token + 1) * indptr_stride];
-  }
+  const long long begin = indptr_entry(indptr, indptr_bytes, indptr_stride, token);
+  const long long end = indptr_entry(indptr, indptr_bytes, indptr_stride, token + 1);
   const bool bad = begin < 0 || end < begin || end > num_states || end - begin > kMaxStatesPerToken;
   return {bad ? 0 : begin, bad ? 0 : end - begin, bad};
 }

@@ -180,7 +180,7 @@ RANK_SCALE = KernelFamily(
 BACKWARD = KernelFamily(
     BACKWARD_SOURCE,
     "merge_states_backward",
-    ("TIn", "TOut", "VEC", "ONE_PACK", "SHORT", "RAGGED", "SINKS", "Index"),
+    ("TIn", "TOut", "VEC", "PACKS", "SHORT", "RAGGED", "SINKS", "Index"),
     (
         "gv0", "gv1", "gs0", "gs1", "grad_sinks", "v0", "v1", "s0", "s1", "grad_out", "grad_lse", "sinks",
         "indptr", "indptr_bytes", "indptr_stride", "num_states", "num_tokens", "num_heads", "head_size",
@@ -200,10 +200,11 @@ FAMILIES = (TWO_STRIDED, TWO_PACKED, MANY_STRIDED, MANY_PACKED, RANK_PACK, RANK_
 VECTOR_WIDTHS = {4: (4, 2, 1), 2: (8, 4, 2, 1)}
 #: Instantiated values of the other template parameters (the planner chooses among them).
 STRIDED_ROWS = (1, 2)
-#: The gradient kernel's (ONE_PACK, SHORT, RAGGED): SHORT rows (dense, of at most 2 or 4 states:
-#: two-way merges) are held whole in registers.
-BACKWARD_ROW_KINDS = ((False, 0, False), (False, 0, True), (True, 0, False), (True, 0, True), (True, 2, False),
-                      (True, 4, False))  # fmt: skip
+#: The gradient kernel's (PACKS, SHORT, RAGGED): PACKS the packs of a row each lane holds in
+#: registers (0: rows longer than that loop over them); SHORT rows (dense, of at most 2 or 4
+#: states: two-way merges) are held whole in registers.
+BACKWARD_ROW_KINDS = ((0, 0, False), (0, 0, True), (1, 0, False), (1, 0, True), (1, 2, False), (1, 4, False),
+                      (2, 0, False), (2, 0, True))  # fmt: skip
 INDEX_TYPES = ("int", "long long")
 
 
@@ -241,9 +242,9 @@ def module_instances(module: Module) -> list[str]:
     a, b, sinks = module.in_dtype, module.out_dtype, module.sinks
     if module.source == BACKWARD_SOURCE:
         return [
-            BACKWARD.instance(TIn=a, TOut=b, VEC=vec, ONE_PACK=one, SHORT=short, RAGGED=ragged, SINKS=sinks, Index=index)
+            BACKWARD.instance(TIn=a, TOut=b, VEC=vec, PACKS=held, SHORT=short, RAGGED=ragged, SINKS=sinks, Index=index)
             for vec in vector_widths(a, b)
-            for one, short, ragged in BACKWARD_ROW_KINDS
+            for held, short, ragged in BACKWARD_ROW_KINDS
             for index in INDEX_TYPES
         ]
     if module.source == RANKS_SOURCE:

@@ -295,16 +295,16 @@ def _plan_backward(
     operation: Operation, options: Any, tuning: _tuning.Tuning, specs: BackwardOperands
 ) -> Planned:
     """A merge's gradient: every gradient allocated C-contiguous, like the array it is of (the
-    sinks' zeroed, as every token adds into them; a ragged batch's too, rows no token owns)."""
+    sinks' zeroed, as every token adds into them; the kernel writes every other element, a ragged
+    batch's rows no token owns too)."""
     state, num_states = _checks.check_backward(specs, operation.names, options)  # type: ignore[arg-type]
-    ragged = specs.indptr is not None
     fresh = []
     pairs = [("grad_v", specs.v), ("grad_s", specs.s)]
     if specs.v_b is not None:
         pairs += [("grad_v_b", specs.v_b), ("grad_s_b", specs.s_b)]
     for field, like in pairs:
         dtype = like.dtype
-        fresh.append(FreshOutput(field, tuple(like.shape), dtype, ragged))
+        fresh.append(FreshOutput(field, tuple(like.shape), dtype))
         specs = specs._replace(**{field: _arrays.contiguous_spec(tuple(like.shape), dtype, like.itemsize, state.device)})
     if specs.sinks is not None:
         fresh.append(FreshOutput("grad_sinks", (state.num_heads,), "float32", True))

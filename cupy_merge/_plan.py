@@ -496,6 +496,27 @@ def _state_spec(spec: ArraySpec, index: int) -> ArraySpec:
 
 #: Threads of a block of the backward kernel (rows of `lanes` threads each).
 BACKWARD_THREADS = 128
+#: Rows from which rows of more than 4 states take two packs a lane (half the lanes, twice the
+#: bytes each in flight). Below, the fewer blocks leave multiprocessors idle: on the H200, 2048
+#: rows reached 59 % of the copy with one pack a lane and 53 % with two; 16384-32768 rows 69-72 %
+#: with one and 75-81 % with two (session 12).
+BACKWARD_TWO_PACK_ROWS = 8192
+
+
+def backward_row_kind(packs: int, rows: int, num_states: int, ragged: bool) -> tuple[int, int, int]:
+    """The gradient kernel's (PACKS, SHORT, lanes) for rows of ``packs`` packs: PACKS packs a lane
+    held in registers (0: the lanes loop over the packs, for rows of more than 64 or none, whose
+    null arrays must not be read), SHORT 2 or 4 for dense rows of exactly 2 or at most 4 states
+    held whole in registers, ``lanes`` a power of two up to 32."""
+    if packs == 0:
+        return 0, 0, 1
+    short = 0
+    if not ragged and 1 <= num_states <= 4 and packs <= 32:
+        short = 2 if num_states == 2 else 4
+    two = packs > 32 or (not short and packs > 1 and rows >= BACKWARD_TWO_PACK_ROWS)
+    held = 2 if two and packs <= 64 else 1 if packs <= 32 else 0
+    lanes = min(32, 1 << (-(-packs // max(held, 1)) - 1).bit_length())
+    return held, short, lanes
 
 
 def plan_backward(
@@ -504,10 +525,11 @@ def plan_backward(
     """The launch of a merge's gradient: a row of ``lanes`` threads (a power of two up to 32) per
     (token, head), over its states; the gradients written are C-contiguous (allocated by the call)."""
     num_tokens, num_heads, head_size = state.num_tokens, state.num_heads, state.head_size
-    if num_tokens == 0 or num_heads == 0:
-        return ()
     v, grad_out = specs.v, specs.grad_out
     two_way, ragged = specs.v_b is not None, specs.indptr is not None
+    # A ragged batch's rows no token owns are zeroed by the kernel, even with no tokens.
+    if num_heads == 0 or num_tokens == 0 and not (ragged and num_states > 0):
+        return ()
     module = cat.Module(cat.BACKWARD_SOURCE, state.dtype, grad_out.dtype, specs.sinks is not None,
                         tuning.compile_options)  # fmt: skip
     values = [v, grad_out, specs.grad_v] + ([specs.v_b, specs.grad_v_b] if two_way else [])
@@ -516,11 +538,11 @@ def plan_backward(
     vec = choose_vector_width(
         [spec for spec in values if spec is not None], head_size, cat.vector_widths(state.dtype, grad_out.dtype)
     )
-    packs = head_size // vec
-    lanes = min(32, 1 << max(packs - 1, 0).bit_length())
-    rows_y = BACKWARD_THREADS // lanes
     rows = num_tokens * num_heads
-    grid = (max(1, min(-(-rows // rows_y), MAX_GRID_X)), 1, 1)
+    held, short, lanes = backward_row_kind(head_size // vec, rows, num_states, ragged)
+    rows_y = BACKWARD_THREADS // lanes
+    busy = rows or num_states * num_heads  # with no tokens, every row is one to zero
+    grid = (max(1, min(-(-busy // rows_y), MAX_GRID_X)), 1, 1)
     args: dict[str, Any] = {
         "gv0": Pointer("grad_v"), "gs0": Pointer("grad_s"), "v0": Pointer("v"), "s0": Pointer("s"),
         "grad_out": Pointer("grad_out"), "grad_lse": _pointer(specs, "grad_lse"),
@@ -555,13 +577,7 @@ def plan_backward(
         args.update({"head_multiplier": head.multiplier, "head_shift": head.shift})
     else:
         args.update({"head_multiplier": 0, "head_shift": 0})
-    # One pack a lane loads every lane's pack unconditionally: rows of no values (head_size 0, a
-    # null pointer) take the other path, which loads only packs that exist.
-    one_pack = 0 < packs <= lanes
-    short = 0  # SHORT: dense rows of exactly 2, or at most 4, states held whole in registers
-    if one_pack and not ragged and 1 <= num_states <= 4:
-        short = 2 if num_states == 2 else 4
-    template = {"TIn": state.dtype, "TOut": grad_out.dtype, "VEC": vec, "ONE_PACK": one_pack, "SHORT": short,
+    template = {"TIn": state.dtype, "TOut": grad_out.dtype, "VEC": vec, "PACKS": held, "SHORT": short,
                 "RAGGED": ragged, "SINKS": specs.sinks is not None, "Index": index}  # fmt: skip
     return (_launch(cat.BACKWARD, module, template, grid, (lanes, rows_y, 1), 0, args),)
 

@@ -154,7 +154,9 @@ def merge_states_varlen_backward(
 ) -> tuple[Array, Array, Array | None]:
     """The gradients of :func:`cupy_merge.merge_states_varlen` with respect to its rows (and sinks).
 
-    Rows no token owns (or owned by a token whose offsets are out of range) get zero gradients.
+    Rows no token owns (before ``indptr[0]``, from ``indptr[-1]`` on, or between the offsets of a
+    token whose offsets are out of range) get zero gradients. Rows two tokens claim (offsets that
+    decrease) are unspecified: the merge's ``check_indptr=True`` refuses such offsets.
 
     Parameters
     ----------
@@ -178,7 +180,7 @@ def merge_states_varlen_backward(
     Returns
     -------
     grad_states_v : DeviceArray
-        Like ``v``, C-contiguous; zeros for rows no token owns.
+        Like ``v``, C-contiguous; every element written (zeros for rows no token owns).
     grad_states_s : DeviceArray
         Like ``s``, float32.
     grad_sinks : DeviceArray or None

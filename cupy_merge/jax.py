@@ -768,8 +768,8 @@ def _build_backward_entry(cfg: _Config, avals: tuple) -> _Entry:
 
     Each value or LSE gradient is written in the layout of the array it is of (a batch folded
     into the tokens unfolds as its inputs fold: free for values); the gradients that must start
-    as zeros (the sinks', and every one of a ragged batch, whose rows no token owns stay
-    unwritten) are passed in as zeros and aliased to the results."""
+    as zeros (the sinks', which every token adds into) are passed in as zeros and aliased to the
+    results."""
     operation, options, tuning = cfg.operation, cfg.options, cfg.tuning
     physical = {field: (tuple(shape), dtype) for field, (shape, dtype) in zip(cfg.fields, avals)}
     inputs = {

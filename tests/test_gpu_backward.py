@@ -65,27 +65,98 @@ def test_the_two_way_gradients_take_any_strides_and_no_lse_gradient(rng, backend
     assert got[4] is None
 
 
+def _poison_the_pool(*shapes_and_dtypes):
+    """Leave NaN-filled blocks of these sizes in CuPy's pool, where the next gradients are allocated:
+    the kernel must write every element (the gradients are not allocated as zeros)."""
+    import cupy
+
+    blocks = [cupy.full(shape, np.nan, dtype=np.float32 if dtype == "float32" else np.float16)
+              for shape, dtype in shapes_and_dtypes]  # fmt: skip
+    cupy.cuda.get_current_stream().synchronize()
+    del blocks
+
+
 @pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("counts", [[3, 0, 1, 6], [70, 0, 200, 5]])  # the second past the shares a lane keeps
 def test_the_ragged_gradients_zero_the_rows_no_token_owns(rng, with_sinks, counts):
     import cupy
 
     counts = np.array(counts)
-    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    rows, heads, head_size = int(indptr[-1]) + 2, 4, 64  # two trailing rows no token owns
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32) + 3  # three leading rows no token owns
+    rows, heads, head_size = int(indptr[-1]) + 2, 4, 64  # and two trailing
     v = to_device(rng.standard_normal((rows, heads, head_size)), "bfloat16")
     s = to_device(rng.standard_normal((heads, rows)) * 2, "float32")
     grad_v = to_device(rng.standard_normal((len(counts), heads, head_size)), "bfloat16")
     grad_s = to_device(rng.standard_normal((heads, len(counts))), "float32")
     sinks = to_device(rng.standard_normal(heads), "float32") if with_sinks else None
+    _poison_the_pool(((rows, heads, head_size), "bfloat16"), ((heads, rows), "float32"))
     got = cm.merge_states_varlen_backward(v, s, cupy.asarray(indptr), grad_v, grad_s, sinks=sinks)
-    want = reference.merge_states_varlen_backward(to_host(v), to_host(s), indptr, to_host(grad_v), to_host(grad_s),
-                                                  sinks=None if sinks is None else to_host(sinks))  # fmt: skip
-    _close(got[0], want[0], "bfloat16", "grad of v")
-    _close(got[1], want[1], "bfloat16", "grad of s")
-    assert (to_host(got[0])[-2:] == 0).all()
+    want = reference.merge_states_varlen_backward(to_host(v)[3:], to_host(s)[:, 3:], indptr - 3, to_host(grad_v),
+                                                  to_host(grad_s), sinks=None if sinks is None else to_host(sinks))  # fmt: skip
+    got_v, got_s = to_host(got[0]), to_host(got[1])
+    _close(got_v[3:], want[0], "bfloat16", "grad of v")
+    _close(got_s[:, 3:], want[1], "bfloat16", "grad of s")
+    assert (got_v[:3] == 0).all() and (got_s[:, :3] == 0).all()
+    assert (got_v[-2:] == 0).all() and (got_s[:, -2:] == 0).all()
     if with_sinks:
         _close(got[2], want[2], "bfloat16", "grad of the sinks")
+
+
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
+def test_a_ragged_batch_of_no_tokens_gets_zero_gradients(rng, index_dtype):
+    import cupy
+
+    rows, heads, head_size = 5, 3, 32
+    v = to_device(rng.standard_normal((rows, heads, head_size)), "float16")
+    s = to_device(rng.standard_normal((heads, rows)), "float32")
+    _poison_the_pool(((rows, heads, head_size), "float16"), ((heads, rows), "float32"))
+    got = cm.merge_states_varlen_backward(v, s, cupy.array([2], dtype=index_dtype),
+                                          to_device(np.zeros((0, heads, head_size)), "float16"))  # fmt: skip
+    assert (to_host(got[0]) == 0).all() and (to_host(got[1]) == 0).all()
+
+
+def test_the_rows_a_token_of_offsets_out_of_range_spans_get_zeros_not_stale_memory(rng):
+    """indptr [1, 4, 20] over 8 rows: token 1 ends past the rows, so rows 4..7 (which it spans) and
+    row 0 (before indptr[0]) get zeros; token 0's rows and the sinks' gradient are token 0's."""
+    import cupy
+
+    rows, heads, head_size = 8, 2, 64
+    indptr = np.array([1, 4, 20], dtype=np.int32)
+    v = to_device(rng.standard_normal((rows, heads, head_size)), "bfloat16")
+    s = to_device(rng.standard_normal((heads, rows)), "float32")
+    grad_v = to_device(rng.standard_normal((2, heads, head_size)), "bfloat16")
+    grad_s = to_device(rng.standard_normal((heads, 2)), "float32")
+    sinks = to_device(rng.standard_normal(heads), "float32")
+    _poison_the_pool(((rows, heads, head_size), "bfloat16"), ((heads, rows), "float32"))
+    got_v, got_s, got_sinks = (to_host(x) for x in cm.merge_states_varlen_backward(
+        v, s, cupy.asarray(indptr), grad_v, grad_s, sinks=sinks))  # fmt: skip
+    want = reference.merge_states_varlen_backward(to_host(v)[1:4], to_host(s)[:, 1:4], [0, 3], to_host(grad_v)[:1],
+                                                  to_host(grad_s)[:, :1], sinks=to_host(sinks))  # fmt: skip
+    for rows_no_token_owns in (slice(0, 1), slice(4, 8)):
+        assert (got_v[rows_no_token_owns] == 0).all() and (got_s[:, rows_no_token_owns] == 0).all()
+    _close(got_v[1:4], want[0], "bfloat16", "grad of token 0's v")
+    _close(got_s[:, 1:4], want[1], "bfloat16", "grad of token 0's s")
+    _close(got_sinks, want[2], "bfloat16", "grad of the sinks")
+
+
+@pytest.mark.parametrize("num_states", [2, 3, 6])
+def test_an_infinite_value_gives_the_references_infinities_not_nan(rng, num_states):
+    """float32, head_size 96: 24 packs on 32 lanes, so 8 lanes of the row hold no pack of it."""
+    tokens, heads, head_size = 3, 2, 96
+    v = rng.standard_normal((num_states, tokens, heads, head_size))
+    v[1, 0, 0, 0] = np.inf
+    lse = rng.standard_normal((num_states, heads, tokens))
+    grad_v, grad_s = rng.standard_normal((tokens, heads, head_size)), rng.standard_normal((heads, tokens))
+    grad_v[0, 0, 0] = 1.0
+    got = backward.merge_states_backward(*(to_device(x, "float32") for x in (v, lse, grad_v, grad_s)))
+    with np.errstate(invalid="ignore"):
+        want = reference.merge_states_backward(v, lse.astype(np.float32), grad_v, grad_s)
+    got_s, want_s = to_host(got[1]), want[1]
+    assert np.isinf(want_s[:, 0, 0]).any()
+    assert (np.isnan(got_s) == np.isnan(want_s)).all(), "NaN where the reference has none, or not"
+    assert (got_s[np.isinf(want_s)] == want_s[np.isinf(want_s)]).all()
+    finite = np.isfinite(want_s)
+    assert relative_error(got_s[finite], want_s[finite]) <= TOLERANCE["float32"]
 
 
 def test_zero_weight_states_with_nan_values_get_zero_gradients(rng):
@@ -149,3 +220,33 @@ def test_a_sink_of_plus_infinity_gets_the_references_gradients(rng):
     want = reference.merge_states_backward(v, lse.astype(np.float32), grad_v, grad_s, sinks=sinks)
     for index, what in enumerate(["grad of v", "grad of s", "grad of the sinks"]):
         _close(got[index], want[index], "float32", what)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_rows_enough_for_two_packs_a_lane_follow_the_reference(rng, dtype, ragged):
+    """8192 rows and more of more than 4 states take two packs a lane (half the lanes)."""
+    import cupy
+
+    tokens, heads, head_size = 2048, 4, 64
+    grad_v = to_device(rng.standard_normal((tokens, heads, head_size)), dtype)
+    grad_s = to_device(rng.standard_normal((heads, tokens)), "float32")
+    if ragged:
+        indptr = np.concatenate([[0], np.cumsum(rng.integers(0, 12, tokens))]).astype(np.int32)
+        rows = int(indptr[-1]) + 1  # a last row no token owns
+        v = to_device(rng.standard_normal((rows, heads, head_size)), dtype)
+        s = to_device(rng.standard_normal((heads, rows)) * 2, "float32")
+        _poison_the_pool(((rows, heads, head_size), dtype), ((heads, rows), "float32"))
+        got = cm.merge_states_varlen_backward(v, s, cupy.asarray(indptr), grad_v, grad_s)
+        want = list(reference.merge_states_varlen_backward(to_host(v)[:-1], to_host(s)[:, :-1], indptr,
+                                                           to_host(grad_v), to_host(grad_s)))  # fmt: skip
+        want[0] = np.concatenate([want[0], np.zeros((1, heads, head_size))])
+        want[1] = np.concatenate([want[1], np.zeros((heads, 1))], axis=1)
+    else:
+        v = to_device(rng.standard_normal((6, tokens, heads, head_size)), dtype)
+        s = to_device(rng.standard_normal((6, heads, tokens)) * 2, "float32")
+        _poison_the_pool(((6, tokens, heads, head_size), dtype), ((6, heads, tokens), "float32"))
+        got = backward.merge_states_backward(v, s, grad_v, grad_s)
+        want = reference.merge_states_backward(to_host(v), to_host(s), to_host(grad_v), to_host(grad_s))
+    _close(got[0], want[0], dtype, "grad of v")
+    _close(got[1], want[1], dtype, "grad of s")

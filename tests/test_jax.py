@@ -103,13 +103,22 @@ _numpy_merge.calls = 0
 _numpy_merge.backward_calls = 0
 
 
-def _ragged_backward(v, s, indptr, grad_out, grad_lse, sinks, base, grad_v, grad_s):
+def _ragged_backward(v, s, indptr, grad_out, grad_lse, sinks, base):
     """What the ragged backward kernel does: the rows of each token whose offsets are in range get
-    their gradients (the rest keep what ``grad_v``/``grad_s`` held); returns the sinks' sum."""
+    their gradients, the rows before ``indptr[0]`` and from ``indptr[-1]`` on zeros, the rows a token
+    of out-of-range offsets spans zeros."""
+    total = v.shape[0]
+    grad_v, grad_s = np.full(v.shape, np.nan), np.full(s.shape, np.nan)  # memory as allocated
+    lead = min(max(int(indptr[0]), 0), total)
+    trail = min(max(int(indptr[-1]), lead), total)
+    for rows in (slice(0, lead), slice(trail, total)):
+        grad_v[rows], grad_s[:, rows] = 0, 0
     grad_sinks = None if sinks is None else np.zeros(len(sinks))
     for token in range(len(indptr) - 1):
         begin, end = int(indptr[token]), int(indptr[token + 1])
-        if begin < 0 or end < begin or end > v.shape[0]:
+        if begin < 0 or end < begin or end > total:
+            spanned = slice(min(max(min(begin, end), 0), total), min(max(begin, end, 0), total))
+            grad_v[spanned], grad_s[:, spanned] = 0, 0
             continue
         rows_v, rows_s, rows_z = reference.merge_states_backward(
             v[begin:end, None], s[:, begin:end].T[:, :, None], grad_out[token : token + 1],
@@ -118,13 +127,12 @@ def _ragged_backward(v, s, indptr, grad_out, grad_lse, sinks, base, grad_v, grad
         grad_v[begin:end], grad_s[:, begin:end] = rows_v[:, 0], rows_s[:, :, 0].T
         if grad_sinks is not None:
             grad_sinks += rows_z
-    return grad_sinks
+    return grad_v, grad_s, grad_sinks
 
 
 def _numpy_backward(specs, view, f64, base) -> None:
     """The backward kernels: the float64 reference's gradients written through the gradients' specs
-    (the sinks' added into their buffer, and a ragged batch's rows no token owns left untouched:
-    both must start as zeros)."""
+    (the sinks' added into their buffer, which must start as zeros)."""
     grad_out, grad_lse, sinks = f64("grad_out"), f64("grad_lse"), f64("sinks")
     if specs.v_b is not None:
         *grads, grad_sinks = reference.merge_state_backward(
@@ -139,10 +147,8 @@ def _numpy_backward(specs, view, f64, base) -> None:
         view("grad_v")[...] = grad_v.astype(view("grad_v").dtype)
         view("grad_s")[...] = grad_s
     else:
-        grad_v, grad_s = f64("grad_v"), f64("grad_s")  # what the buffers hold (zeros)
-        indptr = view("indptr").copy()
-        grad_sinks = _ragged_backward(
-            f64("v"), f64("s"), indptr, grad_out, grad_lse, sinks, base, grad_v, grad_s
+        grad_v, grad_s, grad_sinks = _ragged_backward(
+            f64("v"), f64("s"), view("indptr").copy(), grad_out, grad_lse, sinks, base
         )
         view("grad_v")[...] = grad_v.astype(view("grad_v").dtype)
         view("grad_s")[...] = grad_s
@@ -890,9 +896,7 @@ def test_vmap_of_grad_of_the_ragged_merge_is_one_launch_with_the_unbatched_seman
     )
 
     def want_one(a, b, c):
-        grad_v, grad_s = np.zeros_like(a), np.zeros_like(b)
-        _ragged_backward(a, b, c, _host(out_weight), _host(lse_weight), None, "e", grad_v, grad_s)
-        return grad_v, grad_s
+        return _ragged_backward(a, b, c, _host(out_weight), _host(lse_weight), None, "e")[:2]
 
     want = _per_element(want_one, [_host(v), _host(s), np.asarray(indptr)])
     assert (want[0][2, 5:] == 0).all()
@@ -1057,7 +1061,7 @@ def test_a_backward_launch_is_prepared_at_trace_time_and_writes_into_the_zeros_i
     assert "output_operand_aliases" in grad.lower(v, s, sinks).as_text()
     grad(v, s, sinks)
     (entry,) = [e for e in cmj._entries.values() if e.zeroed]
-    assert len(entry.zeroed) == 3  # a ragged batch's gradients and the sinks' start as zeros
+    assert len(entry.zeroed) == 1  # the sinks' gradient starts as zeros (the kernel writes the others whole)
     assert "merge_states_backward<" in recorder.launched[-1][0][1].kernel
     index = entry.host.index
     first_result = min(index[field] for field in ("grad_v", "grad_s", "grad_sinks"))

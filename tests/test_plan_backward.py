@@ -41,7 +41,7 @@ def _two_way(head_size=128):
 
 def test_a_two_way_gradient_takes_the_two_state_short_rows():
     launch = _plan_of(_MERGE_STATE_BACKWARD, _two_way())
-    assert template(launch)["SHORT"] == "2" and template(launch)["ONE_PACK"] == "true"
+    assert template(launch)["SHORT"] == "2" and template(launch)["PACKS"] == "1"
     assert launch.block == (16, _plan.BACKWARD_THREADS // 16, 1)  # 16 packs of 8 a row
 
 
@@ -52,7 +52,7 @@ def test_dense_rows_of_at_most_four_states_are_short(states, short):
 
 def test_rows_of_more_packs_than_lanes_are_not_short():
     launch = _plan_of(_MERGE_STATES_BACKWARD, _dense(2, head_size=512, dtype="float32"))  # 128 packs of 4
-    assert template(launch)["ONE_PACK"] == "false" and template(launch)["SHORT"] == "0"
+    assert template(launch)["PACKS"] == "0" and template(launch)["SHORT"] == "0"
     assert launch.block == (32, _plan.BACKWARD_THREADS // 32, 1)
 
 
@@ -85,12 +85,37 @@ def test_a_huge_incoming_gradient_alone_takes_64_bit_offsets():
 def test_rows_of_no_values_take_the_path_that_loads_only_packs_that_exist():
     """head_size 0: V is a null pointer, and one pack a lane would load a pack of it anyway."""
     launch = _plan_of(_MERGE_STATES_BACKWARD, _dense(3, head_size=0))
-    assert template(launch)["ONE_PACK"] == "false" and template(launch)["SHORT"] == "0"
+    assert template(launch)["PACKS"] == "0" and template(launch)["SHORT"] == "0"
     launch = _plan_of(_MERGE_STATE_BACKWARD, _two_way(head_size=0))
-    assert template(launch)["ONE_PACK"] == "false"
+    assert template(launch)["PACKS"] == "0"
 
 
 def test_64_bit_kernels_get_no_divisor():
     huge = view((TOKENS, HEADS, 128), "bfloat16", ptr=3 << 32, strides=(cat.INDEX_32_LIMIT, 128, 1))
     args = arguments(_plan_of(_MERGE_STATES_BACKWARD, _dense(3, grad_out=huge)))
     assert (args["head_multiplier"], args["head_shift"]) == (0, 0)
+
+
+@pytest.mark.parametrize("packs, rows, states, ragged, want", [
+    (16, 2048, 16, False, (1, 0, 16)),  # few rows: one pack a lane keeps more blocks busy
+    (16, _plan.BACKWARD_TWO_PACK_ROWS, 16, False, (2, 0, 8)),
+    (16, _plan.BACKWARD_TWO_PACK_ROWS, 8, True, (2, 0, 8)),
+    (16, 1 << 20, 2, False, (1, 2, 16)),  # short rows stay one pack a lane
+    (24, 1 << 20, 9, False, (2, 0, 16)),
+    (64, 10, 2, False, (2, 0, 32)),  # more packs than lanes: two a lane, never short
+    (65, 10, 2, False, (0, 0, 32)),
+    (0, 10, 2, False, (0, 0, 1)),
+])  # fmt: skip
+def test_rows_of_many_states_take_two_packs_a_lane_when_there_are_rows_enough(packs, rows, states, ragged, want):
+    assert _plan.backward_row_kind(packs, rows, states, ragged) == want
+
+
+def test_a_ragged_batch_of_no_tokens_still_launches_to_zero_its_rows():
+    operands = BackwardOperands(
+        None, None,
+        view((7, HEADS, 64), "bfloat16", ptr=1 << 32), view((HEADS, 7), "float32", ptr=2 << 32),
+        view((0, HEADS, 64), "bfloat16", ptr=3 << 32), None,
+        indptr=view((1,), "int32", ptr=4 << 32),
+    )  # fmt: skip
+    launch = _plan_of(_MERGE_STATES_VARLEN_BACKWARD, operands)
+    assert launch.grid[0] >= 1 and arguments(launch)["num_tokens"] == 0
