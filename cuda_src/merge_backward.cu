@@ -44,12 +44,18 @@ namespace cupy_merge {
 
 // Threads of a block (the planner's BACKWARD_THREADS), and the states a lane keeps in shared memory.
 // With 32-bit offsets the kernel is held to 5 blocks' registers (the ragged rows took 102, which
-// left room for 4; 64-bit offsets would spill), dense rows of two packs a lane to 4 (at 5 they
-// spilled 280 bytes).
+// left room for 4; 64-bit offsets would spill); rows of two packs a lane to 4 where 5 spilled
+// (dense: 280 bytes; ragged rows of 32-byte packs); short rows of 16-byte packs to 12 (2 states:
+// 40 registers) and 8 (4 states: 56), which measured 2-5 points of the copy faster from 43 MB
+// than 61 and 72 registers (session 12; wider packs spilled there).
 constexpr int kBackwardThreads = 128;
 constexpr int kBackwardSlots = 4;
-template <typename Index, int PACKS, bool RAGGED>
-constexpr int kBackwardMinBlocks = sizeof(Index) != 4 ? 1 : PACKS == 2 && !RAGGED ? 4 : 5;
+template <typename Index, int PACKS, int SHORT, bool RAGGED, typename TIn, int VEC>
+constexpr int kBackwardMinBlocks = sizeof(Index) != 4                                  ? 1
+                                   : SHORT == 2 && sizeof(TIn) * VEC <= 16               ? 12
+                                   : SHORT == 4 && sizeof(TIn) * VEC <= 16               ? 8
+                                   : PACKS == 2 && (!RAGGED || sizeof(TIn) * VEC > 16) ? 4
+                                                                                         : 5;
 
 // exp(x) for a weight, as ex2.approx.ftz: weights below 2^-126 of the largest state's add
 // nothing a float32 sum keeps, and the flush saves the denormal fix-up (four instructions)
@@ -116,7 +122,7 @@ __device__ void zero_rows(const StatePointers<TIn, Index>& gv_at, const StatePoi
 // Pointers are __restrict__: the gradients are fresh arrays, so a state's loads may be issued
 // before the previous state's stores (states 0 and 1.. of one array are disjoint regions).
 template <typename TIn, typename TOut, int VEC, int PACKS, int SHORT, bool RAGGED, bool SINKS, typename Index>
-__global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PACKS, RAGGED>) merge_states_backward(
+__global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PACKS, SHORT, RAGGED, TIn, VEC>) merge_states_backward(
     TIn* __restrict__ gv0, TIn* __restrict__ gv1, float* __restrict__ gs0, float* __restrict__ gs1,
     float* grad_sinks,
     const TIn* __restrict__ v0, const TIn* __restrict__ v1, const float* __restrict__ s0, const float* __restrict__ s1,
