@@ -496,11 +496,16 @@ def _state_spec(spec: ArraySpec, index: int) -> ArraySpec:
 
 #: Threads of a block of the backward kernel (rows of `lanes` threads each).
 BACKWARD_THREADS = 128
-#: Rows from which rows of more than 4 states take two packs a lane (half the lanes, twice the
-#: bytes each in flight). Below, the fewer blocks leave multiprocessors idle: on the H200, 2048
-#: rows reached 59 % of the copy with one pack a lane and 53 % with two; 16384-32768 rows 69-72 %
-#: with one and 75-81 % with two (session 12).
+#: Rows from which rows that are not short (dense rows of more than 4 states, every ragged row)
+#: take two packs a lane (half the lanes, twice the bytes each in flight). Below, the fewer blocks
+#: leave multiprocessors idle: on the H200, 2048 rows reached 59 % of the copy with one pack a
+#: lane and 53 % with two; 16384-32768 rows 69-72 % with one and 75-81 % with two (session 12).
 BACKWARD_TWO_PACK_ROWS = 8192
+#: Blocks a ragged gradient launches at least (when its rows could need them): the rows no token
+#: owns are zeroed by a grid-stride loop after the tokens', so a batch of few tokens over many rows
+#: (a preallocated buffer) must not leave that to a handful of blocks. About a wave of 8 blocks
+#: on 132 multiprocessors; blocks past the tokens' rows go straight to the zeroing.
+BACKWARD_ZEROING_BLOCKS = 1024
 
 
 def backward_row_kind(packs: int, rows: int, num_states: int, ragged: bool) -> tuple[int, int, int]:
@@ -541,8 +546,10 @@ def plan_backward(
     rows = num_tokens * num_heads
     held, short, lanes = backward_row_kind(head_size // vec, rows, num_states, ragged)
     rows_y = BACKWARD_THREADS // lanes
-    busy = rows or num_states * num_heads  # with no tokens, every row is one to zero
-    grid = (max(1, min(-(-busy // rows_y), MAX_GRID_X)), 1, 1)
+    blocks = -(-rows // rows_y)
+    if ragged:  # rows no token owns may be any of the batch's
+        blocks = max(blocks, min(-(-(num_states * num_heads) // rows_y), BACKWARD_ZEROING_BLOCKS))
+    grid = (max(1, min(blocks, MAX_GRID_X)), 1, 1)
     args: dict[str, Any] = {
         "gv0": Pointer("grad_v"), "gs0": Pointer("grad_s"), "v0": Pointer("v"), "s0": Pointer("s"),
         "grad_out": Pointer("grad_out"), "grad_lse": _pointer(specs, "grad_lse"),

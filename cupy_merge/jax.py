@@ -791,7 +791,7 @@ def _build_backward_entry(cfg: _Config, avals: tuple) -> _Entry:
         results.append((fresh.field, shape, numpy.dtype(dtype)))
     zeroed = tuple(position for position, fresh in enumerate(planned.fresh) if fresh.zeroed)
     shapes = tuple((shape, dtype) for _, shape, dtype in results)
-    if not planned.plan:  # zero tokens or heads: nothing to launch, every gradient zero
+    if not planned.plan:  # no heads, or no tokens of a dense merge: nothing to write
         return _Entry(None, shapes, False, zeroed=zeroed)
     specs = specs._replace(**gradients)
     names: Any = operation.names
@@ -944,7 +944,9 @@ def _rule_varlen_backward(cfg: _Config, size: int, in_batched: list, *args: Any)
     cotangents). Rows that no token with offsets in range owns are handed to the kernel with
     empty LSEs, so they (the extra tokens' included) get zero gradients whatever their values
     hold, as unbatched. Gradients need non-decreasing offsets, batched or not. One launch a
-    batch element when the values are not batched, or with sinks."""
+    batch element when the values are not batched, with sinks, or when a batch element holds
+    more rows than a token may have states (the extra token would be out of range, and the
+    kernel zeroes such a token's rows with one row of threads a head)."""
     jnp = _jax().jnp
     batched = dict(zip(cfg.fields, in_batched))
     given = dict(zip(cfg.fields, args))
@@ -953,7 +955,7 @@ def _rule_varlen_backward(cfg: _Config, size: int, in_batched: list, *args: Any)
     if not batched["v"] or "sinks" in given:
         return _backward_sequential(cfg, size, in_batched, args)
     _, rows, heads, head_size = v.shape
-    if tokens == 0 or (indptr.dtype == numpy.int32 and size * rows >= 2**31 - 1):
+    if tokens == 0 or rows > MAX_STATES_PER_TOKEN or (indptr.dtype == numpy.int32 and size * rows >= 2**31 - 1):
         return _backward_sequential(cfg, size, in_batched, args)
     indptr = _broadcast(indptr, batched["indptr"], size)
     begin, end = indptr[:, :-1], indptr[:, 1:]

@@ -67,11 +67,13 @@ def test_the_two_way_gradients_take_any_strides_and_no_lse_gradient(rng, backend
 
 def _poison_the_pool(*shapes_and_dtypes):
     """Leave NaN-filled blocks of these sizes in CuPy's pool, where the next gradients are allocated:
-    the kernel must write every element (the gradients are not allocated as zeros)."""
+    the kernel must write every element (the gradients are not allocated as zeros). Call it after
+    every input exists (an input allocated later would take a block); four of each size, so that
+    a small allocation the call makes cannot take the only one."""
     import cupy
 
     blocks = [cupy.full(shape, np.nan, dtype=np.float32 if dtype == "float32" else np.float16)
-              for shape, dtype in shapes_and_dtypes]  # fmt: skip
+              for shape, dtype in shapes_and_dtypes for _ in range(4)]  # fmt: skip
     cupy.cuda.get_current_stream().synchronize()
     del blocks
 
@@ -89,8 +91,9 @@ def test_the_ragged_gradients_zero_the_rows_no_token_owns(rng, with_sinks, count
     grad_v = to_device(rng.standard_normal((len(counts), heads, head_size)), "bfloat16")
     grad_s = to_device(rng.standard_normal((heads, len(counts))), "float32")
     sinks = to_device(rng.standard_normal(heads), "float32") if with_sinks else None
+    offsets = cupy.asarray(indptr)
     _poison_the_pool(((rows, heads, head_size), "bfloat16"), ((heads, rows), "float32"))
-    got = cm.merge_states_varlen_backward(v, s, cupy.asarray(indptr), grad_v, grad_s, sinks=sinks)
+    got = cm.merge_states_varlen_backward(v, s, offsets, grad_v, grad_s, sinks=sinks)
     want = reference.merge_states_varlen_backward(to_host(v)[3:], to_host(s)[:, 3:], indptr - 3, to_host(grad_v),
                                                   to_host(grad_s), sinks=None if sinks is None else to_host(sinks))  # fmt: skip
     got_v, got_s = to_host(got[0]), to_host(got[1])
@@ -102,6 +105,25 @@ def test_the_ragged_gradients_zero_the_rows_no_token_owns(rng, with_sinks, count
         _close(got[2], want[2], "bfloat16", "grad of the sinks")
 
 
+def test_few_tokens_over_a_large_buffer_zero_its_unused_rows(rng):
+    """Two tokens over the first rows of 300000 (a preallocated buffer): the zeroing of the rest
+    is spread over the grid (BACKWARD_ZEROING_BLOCKS), not left to the tokens' one block."""
+    import cupy
+
+    rows, heads, head_size = 300_000, 2, 64
+    indptr = np.array([0, 3, 7], dtype=np.int32)
+    v = cupy.asarray(rng.standard_normal((rows, heads, head_size), dtype=np.float32).astype(np.float16))
+    s = cupy.asarray(rng.standard_normal((heads, rows)).astype(np.float32))
+    grad_v = to_device(rng.standard_normal((2, heads, head_size)), "float16")
+    offsets = cupy.asarray(indptr)
+    _poison_the_pool(((rows, heads, head_size), "float16"), ((heads, rows), "float32"))
+    got_v, got_s, _ = cm.merge_states_varlen_backward(v, s, offsets, grad_v)
+    want = reference.merge_states_varlen_backward(to_host(v[:7]), to_host(s[:, :7]), indptr, to_host(grad_v))
+    assert not bool(cupy.any(got_v[7:])) and not bool(cupy.any(got_s[:, 7:])), "an unused row is not zero"
+    _close(got_v[:7], want[0], "float16", "grad of v")
+    _close(got_s[:, :7], want[1], "float16", "grad of s")
+
+
 @pytest.mark.parametrize("index_dtype", ["int32", "int64"])
 def test_a_ragged_batch_of_no_tokens_gets_zero_gradients(rng, index_dtype):
     import cupy
@@ -109,9 +131,9 @@ def test_a_ragged_batch_of_no_tokens_gets_zero_gradients(rng, index_dtype):
     rows, heads, head_size = 5, 3, 32
     v = to_device(rng.standard_normal((rows, heads, head_size)), "float16")
     s = to_device(rng.standard_normal((heads, rows)), "float32")
+    offsets, grad_v = cupy.array([2], dtype=index_dtype), to_device(np.zeros((0, heads, head_size)), "float16")
     _poison_the_pool(((rows, heads, head_size), "float16"), ((heads, rows), "float32"))
-    got = cm.merge_states_varlen_backward(v, s, cupy.array([2], dtype=index_dtype),
-                                          to_device(np.zeros((0, heads, head_size)), "float16"))  # fmt: skip
+    got = cm.merge_states_varlen_backward(v, s, offsets, grad_v)
     assert (to_host(got[0]) == 0).all() and (to_host(got[1]) == 0).all()
 
 
@@ -127,9 +149,10 @@ def test_the_rows_a_token_of_offsets_out_of_range_spans_get_zeros_not_stale_memo
     grad_v = to_device(rng.standard_normal((2, heads, head_size)), "bfloat16")
     grad_s = to_device(rng.standard_normal((heads, 2)), "float32")
     sinks = to_device(rng.standard_normal(heads), "float32")
+    offsets = cupy.asarray(indptr)
     _poison_the_pool(((rows, heads, head_size), "bfloat16"), ((heads, rows), "float32"))
     got_v, got_s, got_sinks = (to_host(x) for x in cm.merge_states_varlen_backward(
-        v, s, cupy.asarray(indptr), grad_v, grad_s, sinks=sinks))  # fmt: skip
+        v, s, offsets, grad_v, grad_s, sinks=sinks))  # fmt: skip
     want = reference.merge_states_varlen_backward(to_host(v)[1:4], to_host(s)[:, 1:4], [0, 3], to_host(grad_v)[:1],
                                                   to_host(grad_s)[:, :1], sinks=to_host(sinks))  # fmt: skip
     for rows_no_token_owns in (slice(0, 1), slice(4, 8)):
@@ -236,8 +259,9 @@ def test_rows_enough_for_two_packs_a_lane_follow_the_reference(rng, dtype, ragge
         rows = int(indptr[-1]) + 1  # a last row no token owns
         v = to_device(rng.standard_normal((rows, heads, head_size)), dtype)
         s = to_device(rng.standard_normal((heads, rows)) * 2, "float32")
+        offsets = cupy.asarray(indptr)
         _poison_the_pool(((rows, heads, head_size), dtype), ((heads, rows), "float32"))
-        got = cm.merge_states_varlen_backward(v, s, cupy.asarray(indptr), grad_v, grad_s)
+        got = cm.merge_states_varlen_backward(v, s, offsets, grad_v, grad_s)
         want = list(reference.merge_states_varlen_backward(to_host(v)[:-1], to_host(s)[:, :-1], indptr,
                                                            to_host(grad_v), to_host(grad_s)))  # fmt: skip
         want[0] = np.concatenate([want[0], np.zeros((1, heads, head_size))])

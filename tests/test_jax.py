@@ -919,6 +919,30 @@ def test_vmap_of_grad_of_the_ragged_merge_is_one_launch_with_the_unbatched_seman
     _close(rows, np.stack(want))
 
 
+def test_vmap_of_grad_of_a_ragged_merge_over_more_rows_than_a_token_may_hold_is_a_launch_an_element(
+    numpy_kernels, rng
+):
+    """Folded, a batch element's unused rows would make one extra token of more states than a
+    token may have (zeroed by one row of threads a head): past that, one launch an element."""
+    from cupy_merge._catalogue import MAX_STATES_PER_TOKEN
+
+    rows = MAX_STATES_PER_TOKEN + 1
+    v = jnp.asarray(rng.standard_normal((2, rows, 1, 8)), jnp.float32)
+    s = jnp.asarray(rng.standard_normal((2, 1, rows)), jnp.float32)
+    indptr = jnp.array([[0, 3, 5], [0, 1, 4]], jnp.int32)
+    out_weight, lse_weight = _weights(rng, (2, 1, 8)), _weights(rng, (1, 2))
+    loss = _linear_loss(lambda a, b, c: cmj.merge_states_varlen(a, b, c, check_indptr=False), out_weight,
+                        lse_weight)  # fmt: skip
+    numpy_kernels.backward_calls = 0
+    got = jax.jit(jax.vmap(jax.grad(loss, (0, 1))))(v, s, indptr)
+    assert numpy_kernels.backward_calls == 2
+    for b in range(2):
+        want = _ragged_backward(_host(v[b]), _host(s[b]), np.asarray(indptr[b]), _host(out_weight),
+                                _host(lse_weight), None, "e")  # fmt: skip
+        _close(got[0][b], want[0])
+        _close(got[1][b], want[1])
+
+
 def test_fp8_outputs_and_forward_mode_are_refused_and_merges_of_constants_differentiate(numpy_kernels, rng):
     v, s, w, t = _states(rng, 3, 2, 8)
     scale = jnp.array([0.5], jnp.float32)

@@ -119,3 +119,20 @@ def test_a_ragged_batch_of_no_tokens_still_launches_to_zero_its_rows():
     )  # fmt: skip
     launch = _plan_of(_MERGE_STATES_VARLEN_BACKWARD, operands)
     assert launch.grid[0] >= 1 and arguments(launch)["num_tokens"] == 0
+
+
+@pytest.mark.parametrize("tokens, rows", [(2, 300_000), (64, 523), (4096, 33_000)])
+def test_a_ragged_gradient_has_blocks_enough_to_zero_the_rows_no_token_owns(tokens, rows):
+    """Rows no token owns are zeroed by a grid-stride loop: few tokens over many rows still get
+    up to BACKWARD_ZEROING_BLOCKS blocks; batches of many tokens keep their tokens' grid."""
+    operands = BackwardOperands(
+        None, None,
+        view((rows, HEADS, 64), "bfloat16", ptr=1 << 32), view((HEADS, rows), "float32", ptr=2 << 32),
+        view((tokens, HEADS, 64), "bfloat16", ptr=3 << 32), None,
+        indptr=view((tokens + 1,), "int32", ptr=4 << 32),
+    )  # fmt: skip
+    launch = _plan_of(_MERGE_STATES_VARLEN_BACKWARD, operands)
+    rows_y = launch.block[1]
+    tokens_blocks = -(-tokens * HEADS // rows_y)
+    zeroing_blocks = min(-(-rows * HEADS // rows_y), _plan.BACKWARD_ZEROING_BLOCKS)
+    assert launch.grid[0] == max(tokens_blocks, zeroing_blocks)
