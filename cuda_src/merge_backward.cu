@@ -17,14 +17,14 @@
 // The same for the LSEs (s0, s1), the value gradients (gv0, gv1) and the LSE gradients (gs0, gs1).
 // Every gradient element is written: a ragged batch's rows before indptr[0], from
 // indptr[num_tokens] on, and between the offsets of a token whose offsets are out of range get
-// zeros; rows two tokens claim (offsets out of order) are unspecified.
+// zeros; with offsets that decrease, every row is unspecified (tokens may claim the same rows).
 // Gradients of the values are written in TIn, of the LSEs in float32; dV is read in TOut (the
 // forward output's dtype), dS (grad_lse, may be null: 0) in float32.
 //
 // Launch: block (lanes, rows_y), 128 threads: `lanes` (a power of two <= 32) threads share a row,
 // striding over its packs; rows_y rows a block; a grid-stride loop over rows. PACKS (1 or 2): every
-// row is 1 to PACKS x `lanes` packs (rows of none, head_size 0, take PACKS 0, which loops over the
-// packs that exist), so each thread holds its packs of dV in registers across the states, which it
+// row is 1 to PACKS x `lanes` packs (rows of none, head_size 0, and of more than 64 packs take
+// PACKS 0, which loops over the packs that exist), so each thread holds its packs of dV in registers across the states, which it
 // takes a chunk at a time (kChunk). SHORT (2 or 4; 0 for longer rows): dense rows of exactly
 // 2 or at most 4 states, kept whole in registers.
 //

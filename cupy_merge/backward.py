@@ -155,8 +155,8 @@ def merge_states_varlen_backward(
     """The gradients of :func:`cupy_merge.merge_states_varlen` with respect to its rows (and sinks).
 
     Rows no token owns (before ``indptr[0]``, from ``indptr[-1]`` on, or between the offsets of a
-    token whose offsets are out of range) get zero gradients. Rows two tokens claim (offsets that
-    decrease) are unspecified: the merge's ``check_indptr=True`` refuses such offsets.
+    token whose offsets are out of range) get zero gradients. With offsets that decrease, every
+    row's gradient is unspecified: the merge's ``check_indptr=True`` refuses such offsets.
 
     Parameters
     ----------
