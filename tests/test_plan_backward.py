@@ -136,3 +136,15 @@ def test_a_ragged_gradient_has_blocks_enough_to_zero_the_rows_no_token_owns(toke
     tokens_blocks = -(-tokens * HEADS // rows_y)
     zeroing_blocks = min(-(-rows * HEADS // rows_y), _plan.BACKWARD_ZEROING_BLOCKS)
     assert launch.grid[0] == max(tokens_blocks, zeroing_blocks)
+
+
+def test_every_row_kind_the_planner_chooses_is_instantiated():
+    kinds = set()
+    for packs in range(70):
+        for rows in (1, _plan.BACKWARD_TWO_PACK_ROWS - 1, _plan.BACKWARD_TWO_PACK_ROWS):
+            for states in (0, 1, 2, 3, 4, 5, 64):
+                for ragged in (False, True):
+                    held, short, lanes = _plan.backward_row_kind(packs, rows, states, ragged)
+                    assert packs <= max(held, 1) * lanes or held == 0, (packs, held, lanes)
+                    kinds.add((held, short, ragged))
+    assert kinds == set(cat.BACKWARD_ROW_KINDS)
