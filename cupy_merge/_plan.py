@@ -533,7 +533,7 @@ def plan_backward(
     v, grad_out = specs.v, specs.grad_out
     two_way, ragged = specs.v_b is not None, specs.indptr is not None
     # A ragged batch's rows no token owns are zeroed by the kernel, even with no tokens.
-    if num_heads == 0 or num_tokens == 0 and not (ragged and num_states > 0):
+    if num_heads == 0 or (num_tokens == 0 and not (ragged and num_states > 0)):
         return ()
     module = cat.Module(cat.BACKWARD_SOURCE, state.dtype, grad_out.dtype, specs.sinks is not None,
                         tuning.compile_options)  # fmt: skip

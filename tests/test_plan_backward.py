@@ -39,6 +39,16 @@ def _two_way(head_size=128):
     )  # fmt: skip
 
 
+def _ragged(rows, tokens=TOKENS):
+    """A ragged batch of ``tokens`` over ``rows`` rows of 64 bfloat16 values."""
+    return BackwardOperands(
+        None, None,
+        view((rows, HEADS, 64), "bfloat16", ptr=1 << 32), view((HEADS, rows), "float32", ptr=2 << 32),
+        view((tokens, HEADS, 64), "bfloat16", ptr=3 << 32), None,
+        indptr=view((tokens + 1,), "int32", ptr=4 << 32),
+    )  # fmt: skip
+
+
 def test_a_two_way_gradient_takes_the_two_state_short_rows():
     launch = _plan_of(_MERGE_STATE_BACKWARD, _two_way())
     assert template(launch)["SHORT"] == "2" and template(launch)["PACKS"] == "1"
@@ -57,14 +67,7 @@ def test_rows_of_more_packs_than_lanes_are_not_short():
 
 
 def test_ragged_rows_are_never_short():
-    rows = 7
-    operands = BackwardOperands(
-        None, None,
-        view((rows, HEADS, 64), "bfloat16", ptr=1 << 32), view((HEADS, rows), "float32", ptr=2 << 32),
-        view((TOKENS, HEADS, 64), "bfloat16", ptr=3 << 32), None,
-        indptr=view((TOKENS + 1,), "int32", ptr=4 << 32),
-    )  # fmt: skip
-    launch = _plan_of(_MERGE_STATES_VARLEN_BACKWARD, operands)
+    launch = _plan_of(_MERGE_STATES_VARLEN_BACKWARD, _ragged(7))
     assert template(launch)["RAGGED"] == "true" and template(launch)["SHORT"] == "0"
 
 
@@ -111,13 +114,7 @@ def test_rows_of_many_states_take_two_packs_a_lane_when_there_are_rows_enough(pa
 
 
 def test_a_ragged_batch_of_no_tokens_still_launches_to_zero_its_rows():
-    operands = BackwardOperands(
-        None, None,
-        view((7, HEADS, 64), "bfloat16", ptr=1 << 32), view((HEADS, 7), "float32", ptr=2 << 32),
-        view((0, HEADS, 64), "bfloat16", ptr=3 << 32), None,
-        indptr=view((1,), "int32", ptr=4 << 32),
-    )  # fmt: skip
-    launch = _plan_of(_MERGE_STATES_VARLEN_BACKWARD, operands)
+    launch = _plan_of(_MERGE_STATES_VARLEN_BACKWARD, _ragged(7, tokens=0))
     assert launch.grid[0] >= 1 and arguments(launch)["num_tokens"] == 0
 
 
@@ -125,13 +122,7 @@ def test_a_ragged_batch_of_no_tokens_still_launches_to_zero_its_rows():
 def test_a_ragged_gradient_has_blocks_enough_to_zero_the_rows_no_token_owns(tokens, rows):
     """Rows no token owns are zeroed by a grid-stride loop: few tokens over many rows still get
     up to BACKWARD_ZEROING_BLOCKS blocks; batches of many tokens keep their tokens' grid."""
-    operands = BackwardOperands(
-        None, None,
-        view((rows, HEADS, 64), "bfloat16", ptr=1 << 32), view((HEADS, rows), "float32", ptr=2 << 32),
-        view((tokens, HEADS, 64), "bfloat16", ptr=3 << 32), None,
-        indptr=view((tokens + 1,), "int32", ptr=4 << 32),
-    )  # fmt: skip
-    launch = _plan_of(_MERGE_STATES_VARLEN_BACKWARD, operands)
+    launch = _plan_of(_MERGE_STATES_VARLEN_BACKWARD, _ragged(rows, tokens))
     rows_y = launch.block[1]
     tokens_blocks = -(-tokens * HEADS // rows_y)
     zeroing_blocks = min(-(-rows * HEADS // rows_y), _plan.BACKWARD_ZEROING_BLOCKS)
