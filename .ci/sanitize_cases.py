@@ -112,10 +112,15 @@ got = cm.merge_states_backward(cupy.asarray(v), cupy.asarray(s), cupy.asarray(gr
 want = reference.merge_states_backward(v, s, grad, sinks=sinks.get())
 check("backward N-way", got[0], want[0], 1e-5)
 check("backward N-way sinks", got[2], want[2], 1e-5)
-v, s = random_states(150, 3, 2, 64, lse_shape=(150, 2, 3))  # past the shares a lane keeps in shared memory
-got = cm.merge_states_backward(cupy.asarray(v), cupy.asarray(s), cupy.asarray(grad[:3, :2]))
-want = reference.merge_states_backward(v, s, grad[:3, :2])
-check("backward 150 states", got[1], want[1], 1e-5)
+# Past the shares a lane keeps in shared memory, the states split over 1, 2 and 4 groups of
+# threads (which add their parts through shared memory, a barrier a row).
+v, s = random_states(150, 3, 2, 64, lse_shape=(150, 2, 3))
+want = reference.merge_states_backward(v, s, grad[:3, :2], sinks=sinks.get()[:2])
+for groups in (1, 2, 4):
+    with _tuning.use(_tuning.DEFAULT.replace(backward_groups=groups)):
+        got = cm.merge_states_backward(cupy.asarray(v), cupy.asarray(s), cupy.asarray(grad[:3, :2]), sinks=sinks[:2])
+    check(f"backward 150 states, {groups} groups", got[1], want[1], 1e-5)
+    check(f"backward 150 states, {groups} groups (sinks)", got[2], want[2], 1e-5)
 v, s = random_states(6, 9, 8, 64, lse_shape=(6, 8, 9))
 got = cm.merge_state_backward(*(cupy.asarray(x) for x in (v[0], s[0], v[1], s[1], grad)))
 check("backward two-way", got[2], reference.merge_state_backward(v[0], s[0], v[1], s[1], grad)[2], 1e-5)

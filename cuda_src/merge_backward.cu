@@ -21,8 +21,12 @@
 // Gradients of the values are written in TIn, of the LSEs in float32; dV is read in TOut (the
 // forward output's dtype), dS (grad_lse, may be null: 0) in float32.
 //
-// Launch: block (lanes, rows_y), 128 threads: `lanes` (a power of two <= 32) threads share a row,
-// striding over its packs; rows_y rows a block; a grid-stride loop over rows. PACKS (1 or 2): every
+// Launch: block (lanes, rows_y, groups), 128 threads: `lanes` (a power of two <= 32) threads share
+// a row, striding over its packs; rows_y rows a block; a grid-stride loop over rows. Rows that are
+// not short may split their states over `groups` (1, 2 or 4) groups of lanes x rows_y threads, one
+// warp or more each: group g takes the chunks g, g + groups, ... of kChunk states (PACKS 0: states
+// g, g + groups, ...), and the groups add their parts of <dV, V> through shared memory, so that
+// rows of many states keep more of their loads in flight at once. PACKS (1 or 2): every
 // row is 1 to PACKS x `lanes` packs (rows of none, head_size 0, and of more than 64 packs take
 // PACKS 0, which loops over the packs that exist), so each thread holds its packs of dV in registers across the states, which it
 // takes a chunk at a time (kChunk). SHORT (2 or 4; 0 for longer rows): dense rows of exactly
@@ -110,8 +114,8 @@ struct StatePointers {
 // Rows [from, to) of one head's gradients zeroed, by the `lanes` threads of a row.
 template <int VEC, typename TIn, typename Index>
 __device__ void zero_rows(const StatePointers<TIn, Index>& gv_at, const StatePointers<float, Index>& gs_at, Index from,
-                          Index to, int lane, int lanes, Index packs) {
-  for (Index r = from; r < to; ++r) {
+                          Index to, int lane, int lanes, Index packs, Index step = 1) {
+  for (Index r = from; r < to; r += step) {
     for (Index p = lane; p < packs; p += lanes) store_pack(reinterpret_cast<Pack<TIn, VEC>*>(gv_at.at(r)) + p, {});
     if (lane == 0) *gs_at.at(r) = 0.0f;
   }
@@ -152,9 +156,19 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
   // its lanes x kBackwardSlots go through the LSE gradient in memory instead.
   __shared__ float saved_terms[SHORT ? 1 : kBackwardSlots][kBackwardThreads];
   __shared__ float saved_weights[SHORT ? 1 : kBackwardSlots][kBackwardThreads];
+  // Each group's part of its rows' <dV, V>, by (group, row): two sets, alternate rows of the
+  // grid-stride loop, so that one barrier a row suffices (a group may write the next row's part
+  // only after every group has passed this row's barrier, which follows their reads of the last).
+  __shared__ float group_dots[2][SHORT ? 1 : kBackwardThreads];
   launch_dependents();
   const int lane = threadIdx.x;
-  const int thread = threadIdx.y * blockDim.x + threadIdx.x;
+  const int group = threadIdx.z, groups = blockDim.z;
+  const int group_row = threadIdx.z * blockDim.y + threadIdx.y;  // this thread's row among the block's groups
+  const int thread = group_row * blockDim.x + threadIdx.x;
+  // The states of a row group g takes, in its order: the k-th is state_of(k).
+  constexpr int kSpan = PACKS > 0 ? kChunk : 1;
+  auto state_of = [&](Index k) -> Index { return (k / kSpan) * groups * kSpan + group * kSpan + k % kSpan; };
+  int parity = 0;
   const Index packs = static_cast<Index>(head_size / VEC);
   const int row_lanes = static_cast<int>(lanes);
   bool has_pack[kHeld];
@@ -259,7 +273,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     };
     auto add_sink_gradient = [&](bool broken, float S, float dot_v) {
       if constexpr (SINKS) {
-        if (lane == 0 && valid && !bad) {
+        if (lane == 0 && group == 0 && valid && !bad) {
           const float w_z = broken ? quiet_nan() : S == positive_infinity() ? 1.0f
                             : S == negative_infinity() ? 0.0f : backward_weight(sink - S);
           atomicAdd(grad_sinks + head, w_z == 0.0f ? 0.0f : w_z * (dS - dot_v));
@@ -288,7 +302,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
         for (int q = 0; q < kHeld; ++q) x[j][q] = v_pack(i0 + j, q);
       }
     };
-    if (PACKS && loop_count > 0) load_chunk(0);
+    const Index first_chunk = static_cast<Index>(group) * kSpan;  // 0 for short rows (one group)
+    if (PACKS && first_chunk < loop_count) load_chunk(first_chunk);
 
     if constexpr (SHORT > 0) {
       // The whole row in registers: S from its LSEs, every lane holding every state's
@@ -360,12 +375,12 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     }
     const float S = merged_lse(top, total);
     float dot_v = 0.0f;  // <dV, V>
-    auto finish_state = [&](Index i, float w, float partial) {
+    auto finish_state = [&](Index i, Index k, float w, float partial) {  // i: the k-th state of the group's
       const float d_i = row_sum(partial, row_lanes);
       const float term = w == 0.0f ? 0.0f : w * d_i;
       dot_v += term;
-      if (i < count && (i & (row_lanes - 1)) == lane) {
-        const Index slot = i >> lane_shift;
+      if (i < count && (k & (row_lanes - 1)) == lane) {
+        const Index slot = k >> lane_shift;
         if (slot < kBackwardSlots) {
           saved_terms[slot][thread] = term;
           saved_weights[slot][thread] = w;
@@ -375,19 +390,21 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
       }
     };
     if constexpr (PACKS > 0) {
+      Index k0 = 0;
 #pragma unroll 1
-      for (Index i0 = 0; i0 < loop_count; i0 += kChunk) {
-        if (i0 > 0) load_chunk(i0);
+      for (Index i0 = first_chunk; i0 < loop_count; i0 += groups * kChunk, k0 += kChunk) {
+        if (i0 > first_chunk) load_chunk(i0);
 #pragma unroll
         for (int j = 0; j < kChunk; ++j) {
           if (i0 + j >= loop_count) break;  // uniform across the warp
           const float w = i0 + j < count ? weight(broken, S, lse[j]) : 0.0f;
-          finish_state(i0 + j, w, held_state_gradients(i0 + j, w, x[j]));
+          finish_state(i0 + j, k0 + j, w, held_state_gradients(i0 + j, w, x[j]));
         }
       }
     } else {
+      Index nth = 0;  // i is the group's nth state
 #pragma unroll 4
-      for (Index i = 0; i < loop_count; ++i) {
+      for (Index i = group; i < loop_count; i += groups, ++nth) {
         const bool real = i < count;
         const float w = real ? weight(broken, S, lse_of(i)) : 0.0f;
         const InPack* vi = reinterpret_cast<const InPack*>(v_at.at(loaded(i)));
@@ -400,12 +417,20 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
           const InPack g = state_gradient(w, load_pack(vi + p), d, partial);
           if (valid) store_pack(reinterpret_cast<InPack*>(gv_at.at(first + i)) + p, g);
         }
-        finish_state(i, w, partial);
+        finish_state(i, nth, w, partial);
       }
+    }
+    if (groups > 1) {  // uniform across the block
+      if (lane == 0) group_dots[parity][group_row] = dot_v;
+      __syncthreads();
+      dot_v = 0.0f;
+      for (int g = 0; g < groups; ++g) dot_v += group_dots[parity][g * blockDim.y + threadIdx.y];
+      parity ^= 1;
     }
     // ds_i = w_i d_i + w_i (dS - <dV, V>), by the lane that kept state i's share.
     Index slot = 0;
-    for (Index i = lane; valid && i < count; i += row_lanes, ++slot) {
+    for (Index k = lane; valid && state_of(k) < count; k += row_lanes, ++slot) {
+      const Index i = state_of(k);
       float* gsi = gs_at.at(first + i);
       const bool kept = slot < kBackwardSlots;
       const float w = kept ? saved_weights[slot][thread] : weight(broken, S, lse_of(i));
@@ -417,7 +442,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
       const long long begin = indptr_entry(indptr, indptr_bytes, indptr_stride, token);
       const long long end = indptr_entry(indptr, indptr_bytes, indptr_stride, token + 1);
       const auto clamped = [&](long long r) { return static_cast<Index>(min(max(r, 0ll), num_states)); };
-      zero_rows<VEC>(gv_at, gs_at, clamped(min(begin, end)), clamped(max(begin, end)), lane, row_lanes, packs);
+      zero_rows<VEC>(gv_at, gs_at, clamped(min(begin, end)) + static_cast<Index>(group), clamped(max(begin, end)), lane,
+                     row_lanes, packs, static_cast<Index>(groups));
     }
   }
   if constexpr (RAGGED) {
@@ -427,8 +453,9 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     const long long lead = min(max(indptr_entry(indptr, indptr_bytes, indptr_stride, 0), 0ll), num_states);
     const long long trail = min(max(indptr_entry(indptr, indptr_bytes, indptr_stride, num_tokens), lead), num_states);
     const Index unowned = static_cast<Index>(lead + num_states - trail);
-    for (Index q = static_cast<Index>(blockIdx.x) * blockDim.y + threadIdx.y; q < unowned * heads;
-         q += static_cast<Index>(gridDim.x) * blockDim.y) {
+    const Index block_rows = static_cast<Index>(blockDim.y * blockDim.z);  // rows of threads, every group's
+    for (Index q = static_cast<Index>(blockIdx.x) * block_rows + group_row; q < unowned * heads;
+         q += static_cast<Index>(gridDim.x) * block_rows) {
       const Index r = q / heads, head = q - r * heads;
       const Index row = r < lead ? r : static_cast<Index>(trail) + (r - static_cast<Index>(lead));
       const auto gv_at = StatePointers<TIn, Index>::of(gv0, gv1, 0, head, gv0_stride_token, gv0_stride_head,

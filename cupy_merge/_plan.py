@@ -496,11 +496,8 @@ def _state_spec(spec: ArraySpec, index: int) -> ArraySpec:
 
 #: Threads of a block of the backward kernel (rows of `lanes` threads each).
 BACKWARD_THREADS = 128
-#: Rows from which rows that are not short (dense rows of more than 4 states, every ragged row)
-#: take two packs a lane (half the lanes, twice the bytes each in flight). Below, the fewer blocks
-#: leave multiprocessors idle: on the H200, 2048 rows reached 59 % of the copy with one pack a
-#: lane and 53 % with two; 16384-32768 rows 69-72 % with one and 75-81 % with two (session 12).
-BACKWARD_TWO_PACK_ROWS = 8192
+#: The most groups a row's states split over: a group is at least a warp of the block.
+BACKWARD_MAX_GROUPS = BACKWARD_THREADS // 32
 #: Blocks a ragged gradient launches at least (when its rows could need them): the rows no token
 #: owns are zeroed by a grid-stride loop after the tokens', so a batch of few tokens over many rows
 #: (a preallocated buffer) must not leave that to a handful of blocks. About a wave of 8 blocks
@@ -508,20 +505,61 @@ BACKWARD_TWO_PACK_ROWS = 8192
 BACKWARD_ZEROING_BLOCKS = 1024
 
 
-def backward_row_kind(packs: int, rows: int, num_states: int, ragged: bool) -> tuple[int, int, int]:
-    """The gradient kernel's (PACKS, SHORT, lanes) for rows of ``packs`` packs: PACKS packs a lane
-    held in registers (0: the lanes loop over the packs, for rows of more than 64 or none, whose
-    null arrays must not be read), SHORT 2 or 4 for dense rows of exactly 2 or at most 4 states
-    held whole in registers, ``lanes`` a power of two up to 32."""
+class BackwardRows(NamedTuple):
+    """How the gradient kernel takes a row: ``held`` packs a lane in registers (PACKS; 0: the lanes
+    loop over the packs, for rows of more than 64 or none, whose null arrays must not be read),
+    ``short`` 2 or 4 for dense rows of exactly 2 or at most 4 states held whole in registers (0:
+    longer rows), ``lanes`` threads a row (a power of two up to 32), and ``groups`` of threads
+    its states are split over (1, 2 or 4), a chunk of states at a time each."""
+
+    held: int
+    short: int
+    lanes: int
+    groups: int = 1
+
+
+def backward_rows(packs: int, rows: int, row_states: int, ragged: bool, tuning: Tuning) -> BackwardRows:
+    """The gradient kernel's way through ``rows`` (token, head) pairs of ``packs`` packs and
+    ``row_states`` states each (ragged: the mean, rounded up).
+
+    Rows that are not short split their states over as many groups as keep the threads at most
+    ``tuning.backward_busy_threads`` (and take two packs a lane where that many threads are still
+    reached, or where rows alone are ``tuning.backward_two_pack_rows`` or more)."""
     if packs == 0:
-        return 0, 0, 1
-    short = 0
-    if not ragged and 1 <= num_states <= 4 and packs <= 32:
-        short = 2 if num_states == 2 else 4
-    two = packs > 32 or (not short and packs > 1 and rows >= BACKWARD_TWO_PACK_ROWS)
-    held = 2 if two and packs <= 64 else 1 if packs <= 32 else 0
-    lanes = min(32, 1 << (-(-packs // max(held, 1)) - 1).bit_length())
-    return held, short, lanes
+        return BackwardRows(0, 0, 1)
+    if not ragged and 1 <= row_states <= 4 and packs <= 32:
+        return BackwardRows(1, 2 if row_states == 2 else 4, _lanes(packs, 1))
+    if packs > 64:
+        return BackwardRows(0, 0, 32, _groups(rows * 32, row_states, tuning))
+    if packs > 32:
+        return BackwardRows(2, 0, 32, _groups(rows * 32, -(-row_states // _span(2, ragged, tuning)), tuning))
+    held = 1
+    if packs > 1:
+        lanes, chunks = _lanes(packs, 2), -(-row_states // _span(2, ragged, tuning))
+        busy = rows * lanes * min(chunks, tuning.backward_groups, BACKWARD_MAX_GROUPS)
+        held = 2 if rows >= tuning.backward_two_pack_rows or busy >= tuning.backward_busy_threads else 1
+    lanes = _lanes(packs, held)
+    return BackwardRows(held, 0, lanes, _groups(rows * lanes, -(-row_states // _span(held, ragged, tuning)), tuning))
+
+
+def _lanes(packs: int, held: int) -> int:
+    """Lanes a row of ``packs`` packs takes at ``held`` a lane: a power of two up to 32."""
+    return min(32, 1 << (-(-packs // held) - 1).bit_length())
+
+
+def _span(held: int, ragged: bool, tuning: Tuning) -> int:
+    """States a group takes at a time: the kernel's kChunk."""
+    return 2 if ragged and held == 2 else tuning.merge_chunk
+
+
+def _groups(threads: int, chunks: int, tuning: Tuning) -> int:
+    """Groups (a power of two) a row's ``chunks`` spans of states split over, where the rows take
+    ``threads`` threads in one group: as many as keep the threads at most busy_threads."""
+    groups = 1
+    while (groups * 2 <= min(chunks, tuning.backward_groups, BACKWARD_MAX_GROUPS)
+           and threads * groups * 2 <= tuning.backward_busy_threads):  # fmt: skip
+        groups *= 2
+    return groups
 
 
 def plan_backward(
@@ -544,11 +582,12 @@ def plan_backward(
         [spec for spec in values if spec is not None], head_size, cat.vector_widths(state.dtype, grad_out.dtype)
     )
     rows = num_tokens * num_heads
-    held, short, lanes = backward_row_kind(head_size // vec, rows, num_states, ragged)
-    rows_y = BACKWARD_THREADS // lanes
+    row_states = -(-num_states // max(num_tokens, 1)) if ragged else num_states
+    held, short, lanes, groups = backward_rows(head_size // vec, rows, row_states, ragged, tuning)
+    rows_y = BACKWARD_THREADS // (lanes * groups)
     blocks = -(-rows // rows_y)
     if ragged:  # rows no token owns may be any of the batch's
-        blocks = max(blocks, min(-(-(num_states * num_heads) // rows_y), BACKWARD_ZEROING_BLOCKS))
+        blocks = max(blocks, min(-(-(num_states * num_heads) // (rows_y * groups)), BACKWARD_ZEROING_BLOCKS))
     grid = (max(1, min(blocks, MAX_GRID_X)), 1, 1)
     args: dict[str, Any] = {
         "gv0": Pointer("grad_v"), "gs0": Pointer("grad_s"), "v0": Pointer("v"), "s0": Pointer("s"),
@@ -586,7 +625,7 @@ def plan_backward(
         args.update({"head_multiplier": 0, "head_shift": 0})
     template = {"TIn": state.dtype, "TOut": grad_out.dtype, "VEC": vec, "PACKS": held, "SHORT": short,
                 "RAGGED": ragged, "SINKS": specs.sinks is not None, "Index": index}  # fmt: skip
-    return (_launch(cat.BACKWARD, module, template, grid, (lanes, rows_y, 1), 0, args),)
+    return (_launch(cat.BACKWARD, module, template, grid, (lanes, rows_y, groups), 0, args),)
 
 
 def _backward_strides(first: ArraySpec, rest: ArraySpec | None, two_way: bool, ragged: bool, lse: bool):

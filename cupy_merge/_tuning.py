@@ -53,6 +53,18 @@ class Tuning:
     #: States the N-way kernels load per memory round trip (MERGE_CHUNK): best among 2, 4 and 8 for
     #: the strided kernel (session 3), among 2 and 4 for the packed one (session 4, sweep 1).
     merge_chunk: int = 4
+    #: Gradients: rows from which rows that are not short (dense rows of more than 4 states, every
+    #: ragged row) take two packs a lane (half the lanes, twice the bytes each in flight). Below, the
+    #: fewer blocks leave multiprocessors idle: 2048 rows reached 59 % of the copy with one pack a
+    #: lane and 53 % with two; 16384-32768 rows 69-72 % with one and 75-81 % with two (session 12).
+    backward_two_pack_rows: int = 8192
+    #: Gradients: the most groups of threads a row's states are split over (1, 2 or 4), one chunk
+    #: of states a group at a time, where a row has chunks enough and the rows alone give fewer
+    #: than backward_busy_threads threads (about a wave at two packs a lane: 4 blocks of 128 on
+    #: 132 multiprocessors). Session 13: 2048 rows of 16 states 60 -> 75 % of the copy; 8192 rows
+    #: and more lost 2-24 points with groups (a barrier a row), so they keep one.
+    backward_groups: int = 4
+    backward_busy_threads: int = 65536
     #: Programmatic dependent launch on sm_90 and newer: a merge's blocks start while the kernel
     #: before it drains, and wait for its results before their first load. Off by default: in a
     #: CUDA-graph chain (producer, merge, consumer) it saved nothing measurable (within +-1 us at

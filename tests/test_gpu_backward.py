@@ -274,3 +274,43 @@ def test_rows_enough_for_two_packs_a_lane_follow_the_reference(rng, dtype, ragge
         want = reference.merge_states_backward(to_host(v), to_host(s), to_host(grad_v), to_host(grad_s))
     _close(got[0], want[0], dtype, "grad of v")
     _close(got[1], want[1], dtype, "grad of s")
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("two_pack_rows", [0, 2**62])  # two packs a lane, or one
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("num_states", [5, 9, 300])  # 300: past the shares the lanes of a group keep
+def test_every_split_of_a_rows_states_over_groups_follows_the_reference(rng, groups, two_pack_rows, ragged,
+                                                                         num_states):  # fmt: skip
+    """Rows of states split over 1, 2 or 4 groups of threads (which add their parts of <dV, V>
+    through shared memory) give the reference's gradients, sinks' included."""
+    import cupy
+
+    from cupy_merge import _tuning
+
+    tokens, heads, head_size = 6, 3, 128
+    grad_v = to_device(rng.standard_normal((tokens, heads, head_size)), "bfloat16")
+    grad_s = to_device(rng.standard_normal((heads, tokens)), "float32")
+    sinks = to_device(rng.standard_normal(heads), "float32")
+    tuning = _tuning.DEFAULT.replace(backward_groups=groups, backward_two_pack_rows=two_pack_rows)
+    if ragged:
+        indptr = np.concatenate([[0], np.cumsum(rng.integers(0, 2 * num_states, tokens))]).astype(np.int64)
+        rows = int(indptr[-1])
+        v = to_device(rng.standard_normal((rows, heads, head_size)), "bfloat16")
+        s = to_device(rng.standard_normal((heads, rows)) * 2, "float32")
+        offsets = cupy.asarray(indptr)
+        _poison_the_pool(((rows, heads, head_size), "bfloat16"), ((heads, rows), "float32"))
+        with _tuning.use(tuning):
+            got = cm.merge_states_varlen_backward(v, s, offsets, grad_v, grad_s, sinks=sinks)
+        want = reference.merge_states_varlen_backward(to_host(v), to_host(s), indptr, to_host(grad_v),
+                                                      to_host(grad_s), sinks=to_host(sinks))  # fmt: skip
+    else:
+        v = to_device(rng.standard_normal((num_states, tokens, heads, head_size)), "bfloat16")
+        s = to_device(rng.standard_normal((num_states, heads, tokens)) * 2, "float32")
+        _poison_the_pool(((num_states, tokens, heads, head_size), "bfloat16"), ((num_states, heads, tokens), "float32"))
+        with _tuning.use(tuning):
+            got = backward.merge_states_backward(v, s, grad_v, grad_s, sinks=sinks)
+        want = reference.merge_states_backward(to_host(v), to_host(s), to_host(grad_v), to_host(grad_s),
+                                               sinks=to_host(sinks))  # fmt: skip
+    for index, what in enumerate(("grad of v", "grad of s", "grad of the sinks")):
+        _close(got[index], want[index], "bfloat16", what)

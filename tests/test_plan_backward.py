@@ -63,7 +63,7 @@ def test_dense_rows_of_at_most_four_states_are_short(states, short):
 def test_rows_of_more_packs_than_lanes_are_not_short():
     launch = _plan_of(_MERGE_STATES_BACKWARD, _dense(2, head_size=512, dtype="float32"))  # 128 packs of 4
     assert template(launch)["PACKS"] == "0" and template(launch)["SHORT"] == "0"
-    assert launch.block == (32, _plan.BACKWARD_THREADS // 32, 1)
+    assert launch.block == (32, _plan.BACKWARD_THREADS // 64, 2)  # its two states over two groups
 
 
 def test_ragged_rows_are_never_short():
@@ -99,18 +99,48 @@ def test_64_bit_kernels_get_no_divisor():
     assert (args["head_multiplier"], args["head_shift"]) == (0, 0)
 
 
+TWO_PACK_ROWS = _tuning.DEFAULT.backward_two_pack_rows
+
+
 @pytest.mark.parametrize("packs, rows, states, ragged, want", [
-    (16, 2048, 16, False, (1, 0, 16)),  # few rows: one pack a lane keeps more blocks busy
-    (16, _plan.BACKWARD_TWO_PACK_ROWS, 16, False, (2, 0, 8)),
-    (16, _plan.BACKWARD_TWO_PACK_ROWS, 8, True, (2, 0, 8)),
+    (16, 256, 16, False, (1, 0, 16)),  # few rows: one pack a lane, for more threads
+    (16, 2048, 16, False, (2, 0, 8)),  # two packs, four groups of threads: rows enough
+    (16, 2048, 5, False, (1, 0, 16)),  # two chunks of states allow two groups only
+    (16, TWO_PACK_ROWS, 16, False, (2, 0, 8)),
+    (16, TWO_PACK_ROWS, 8, True, (2, 0, 8)),
     (16, 1 << 20, 2, False, (1, 2, 16)),  # short rows stay one pack a lane
     (24, 1 << 20, 9, False, (2, 0, 16)),
     (64, 10, 2, False, (2, 0, 32)),  # more packs than lanes: two a lane, never short
     (65, 10, 2, False, (0, 0, 32)),
     (0, 10, 2, False, (0, 0, 1)),
 ])  # fmt: skip
-def test_rows_of_many_states_take_two_packs_a_lane_when_there_are_rows_enough(packs, rows, states, ragged, want):
-    assert _plan.backward_row_kind(packs, rows, states, ragged) == want
+def test_rows_of_many_states_take_two_packs_a_lane_when_there_are_threads_enough(packs, rows, states, ragged, want):
+    assert _plan.backward_rows(packs, rows, states, ragged, _tuning.DEFAULT)[:3] == want
+
+
+@pytest.mark.parametrize("packs, rows, states, ragged, held, groups", [
+    (16, 1024, 2, False, 1, 1),  # short rows: one group
+    (16, 2048, 16, False, 2, 4),  # 2048 rows x 8 lanes x 4 groups: busy_threads
+    (16, 2048, 5, False, 1, 2),  # two chunks of 4 states
+    (16, 4096, 16, False, 2, 2),
+    (16, 1 << 20, 1000, False, 2, 1),  # rows enough alone: a barrier a row costs more than it gives
+    (16, 2048, 8, True, 2, 4),  # ragged rows of two packs take chunks of 2
+    (16, 2048, 3, True, 1, 1),
+    (100, 64, 9, False, 0, 4),  # rows that loop over their packs split state by state
+    (100, 4096, 9, False, 0, 1),
+])  # fmt: skip
+def test_few_rows_of_many_chunks_split_their_states_over_groups(packs, rows, states, ragged, held, groups):
+    got = _plan.backward_rows(packs, rows, states, ragged, _tuning.DEFAULT)
+    assert (got.held, got.groups) == (held, groups)
+    assert got.lanes * groups <= _plan.BACKWARD_THREADS
+    assert _plan.backward_rows(packs, rows, states, ragged, _tuning.DEFAULT.replace(backward_groups=1)).groups == 1
+
+
+def test_groups_share_the_blocks_threads():
+    launch = _plan_of(_MERGE_STATES_BACKWARD, _dense(16))
+    lanes, rows_y, groups = launch.block
+    assert groups == 4 and lanes * rows_y * groups == _plan.BACKWARD_THREADS
+    assert launch.grid[0] == -(-TOKENS * HEADS // rows_y)
 
 
 def test_a_ragged_batch_of_no_tokens_still_launches_to_zero_its_rows():
@@ -123,19 +153,20 @@ def test_a_ragged_gradient_has_blocks_enough_to_zero_the_rows_no_token_owns(toke
     """Rows no token owns are zeroed by a grid-stride loop: few tokens over many rows still get
     up to BACKWARD_ZEROING_BLOCKS blocks; batches of many tokens keep their tokens' grid."""
     launch = _plan_of(_MERGE_STATES_VARLEN_BACKWARD, _ragged(rows, tokens))
-    rows_y = launch.block[1]
+    _, rows_y, groups = launch.block  # the zeroing runs over every group's rows of threads
     tokens_blocks = -(-tokens * HEADS // rows_y)
-    zeroing_blocks = min(-(-rows * HEADS // rows_y), _plan.BACKWARD_ZEROING_BLOCKS)
+    zeroing_blocks = min(-(-rows * HEADS // (rows_y * groups)), _plan.BACKWARD_ZEROING_BLOCKS)
     assert launch.grid[0] == max(tokens_blocks, zeroing_blocks)
 
 
 def test_every_row_kind_the_planner_chooses_is_instantiated():
     kinds = set()
     for packs in range(70):
-        for rows in (1, _plan.BACKWARD_TWO_PACK_ROWS - 1, _plan.BACKWARD_TWO_PACK_ROWS):
+        for rows in (1, TWO_PACK_ROWS - 1, TWO_PACK_ROWS):
             for states in (0, 1, 2, 3, 4, 5, 64):
                 for ragged in (False, True):
-                    held, short, lanes = _plan.backward_row_kind(packs, rows, states, ragged)
+                    held, short, lanes, groups = _plan.backward_rows(packs, rows, states, ragged, _tuning.DEFAULT)
                     assert packs <= max(held, 1) * lanes or held == 0, (packs, held, lanes)
+                    assert groups == 1 or not short, (states, groups)
                     kinds.add((held, short, ragged))
     assert kinds == set(cat.BACKWARD_ROW_KINDS)

@@ -3,9 +3,10 @@
 Each variant is a :class:`~cupy_merge._tuning.Tuning` (some fields of the
 default changed: block sizes, family switches, the chunk the kernels are
 compiled with); the sweep merges each case under it (``_tuning.use``: its plans
-and modules are cached apart) once to check it against the strided kernels'
-result, then times it (CUDA events, median, L2 flushed) next to a same-bytes copy. Cells are % of the copy's speed; the last
-column is the largest relative error of any variant against the strided kernels.
+and modules are cached apart) once to check it against the first variant's
+result (the strided kernels', for the merges), then times it (CUDA events,
+median, L2 flushed) next to a same-bytes copy. Cells are % of the copy's speed;
+the last column is the largest relative error of any variant against the first.
 Used for docs/PERF.md: each sweep's prediction and result are recorded there.
 """
 
@@ -18,6 +19,7 @@ import cupy
 import numpy
 
 from .. import _tuning, merge_state, merge_states, merge_states_varlen
+from ..backward import merge_states_backward, merge_states_varlen_backward
 from .timing import median_ms
 
 TWO_CASES = [
@@ -60,6 +62,21 @@ MANY_VARIANTS = {
     "pdl": {"programmatic_launch": True},
 }
 
+#: The gradient's cases, as MANY_CASES; its variants against one group a row (the first column).
+BACKWARD_CASES = [
+    (16, 64, 32, 128), (64, 64, 32, 128), (256, 8, 32, 128), (1024, 1, 32, 128), (8, 256, 32, 128),
+    (4, 1024, 32, 128), (16, 1024, 32, 128), (8, 4096, 32, 128), (16, 2048, 8, 128),
+    (-8, 64, 32, 128), (-8, 512, 32, 128), (-8, 4096, 32, 128), (-100, 64, 32, 128),
+]  # fmt: skip
+BACKWARD_VARIANTS = {
+    "groups1": {"backward_groups": 1},
+    "groups2": {"backward_groups": 2},
+    "groups4": {},
+    "one-pack": {"backward_two_pack_rows": 2**62},
+    "two-packs": {"backward_two_pack_rows": 0},
+    "g1-two-packs": {"backward_two_pack_rows": 0, "backward_groups": 1},
+}
+
 
 def tuning_of(settings: dict) -> _tuning.Tuning:
     """A variant's tuning: the default with ``settings`` changed."""
@@ -85,7 +102,7 @@ def _row(label: str, nbytes: int, run, variants: dict, rng_check=True) -> tuple[
             value = run()
             results[name] = [cupy.asnumpy(x.astype(cupy.float32)) for x in value]
             cells.append(median_ms(run) * 1e3)
-    base = results["strided"]
+    base = results[next(iter(variants))]
     worst = 0.0
     for got in results.values():
         for g, w in zip(got, base):
@@ -94,6 +111,20 @@ def _row(label: str, nbytes: int, run, variants: dict, rng_check=True) -> tuple[
             worst = max(worst, float(numpy.linalg.norm((g - w)[finite])) / scale)
     copy = _copy_us(nbytes)
     return label, [copy, *[100 * copy / cell for cell in cells], cells[0]], worst
+
+
+def _states(rng, states: int, tokens: int, heads: int, head_size: int):
+    """Values, LSEs, ragged offsets (None when dense) and a label; states < 0: ragged, 0..-2*states a token."""
+    indptr = None
+    if states < 0:
+        counts = rng.integers(0, -2 * states + 1, size=tokens)
+        indptr = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(counts)]).astype(numpy.int32))
+        shape, lse_shape, label = (int(counts.sum()),), (heads, int(counts.sum())), f"ragged T={tokens} mean {-states}"
+    else:
+        shape, lse_shape, label = (states, tokens), (states, heads, tokens), f"S={states} T={tokens} H={heads}"
+    v = cupy.asarray(rng.standard_normal((*shape, heads, head_size), dtype=numpy.float32)).astype(_dtype("bfloat16"))
+    s = cupy.asarray(rng.standard_normal(lse_shape, dtype=numpy.float32) * 4)
+    return v, s, indptr, label
 
 
 def sweep_two(rng) -> list:
@@ -117,26 +148,27 @@ def sweep_two(rng) -> list:
 def sweep_many(rng) -> list:
     rows = []
     for states, tokens, heads, head_size in MANY_CASES:
-        if states < 0:
-            counts = rng.integers(0, -2 * states + 1, size=tokens)
-            indptr = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(counts)]).astype(numpy.int32))
-            rows_total = int(counts.sum())
-            v = cupy.asarray(rng.standard_normal((rows_total, heads, head_size), dtype=numpy.float32)).astype(
-                _dtype("bfloat16")
-            )
-            s = cupy.asarray(rng.standard_normal((heads, rows_total), dtype=numpy.float32) * 4)
-            label = f"ragged T={tokens} mean {-states}"
-        else:
-            v = cupy.asarray(
-                rng.standard_normal((states, tokens, heads, head_size), dtype=numpy.float32)
-            ).astype(_dtype("bfloat16"))
-            s = cupy.asarray(rng.standard_normal((states, heads, tokens), dtype=numpy.float32) * 4)
-            indptr = None
-            label = f"S={states} T={tokens} H={heads}"
+        v, s, indptr, label = _states(rng, states, tokens, heads, head_size)
         out = cupy.empty((tokens, heads, head_size), dtype=v.dtype)
         out_lse = cupy.empty((heads, tokens), dtype=cupy.float32)
         nbytes = v.nbytes + s.nbytes + out.nbytes + out_lse.nbytes
         rows.append(_row(label, nbytes, _many_run(v, s, indptr, out, out_lse), MANY_VARIANTS))
+        print(".", end="", file=sys.stderr, flush=True)
+    return rows
+
+
+def sweep_backward(rng) -> list:
+    rows = []
+    for states, tokens, heads, head_size in BACKWARD_CASES:
+        v, s, indptr, label = _states(rng, states, tokens, heads, head_size)
+        grad = cupy.asarray(rng.standard_normal((tokens, heads, head_size), dtype=numpy.float32)).astype(v.dtype)
+        grad_s = cupy.asarray(rng.standard_normal((heads, tokens), dtype=numpy.float32))
+        nbytes = 2 * (v.nbytes + s.nbytes) + grad.nbytes + grad_s.nbytes
+        if indptr is None:
+            run = lambda v=v, s=s, grad=grad, grad_s=grad_s: merge_states_backward(v, s, grad, grad_s)[:2]
+        else:
+            run = lambda v=v, s=s, i=indptr, grad=grad, grad_s=grad_s: merge_states_varlen_backward(v, s, i, grad, grad_s)[:2]
+        rows.append(_row(label, nbytes, run, BACKWARD_VARIANTS))
         print(".", end="", file=sys.stderr, flush=True)
     return rows
 
@@ -148,7 +180,7 @@ def _many_run(v, s, indptr, out, out_lse):
 
 
 def _table(title: str, rows: list, variants: dict) -> str:
-    names = ["copy us", *[f"{n} %" for n in variants], "strided us", "max rel err"]
+    names = ["copy us", *[f"{n} %" for n in variants], f"{next(iter(variants))} us", "max rel err"]
     width = max(len(r[0]) for r in rows)
     lines = [title, f"{'case':<{width}} " + " ".join(f"{n:>10}" for n in names)]
     for label, cells, worst in rows:
@@ -160,7 +192,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cupy_merge.tools.sweep", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--family", choices=["two", "many", "all"], default="all")
+    parser.add_argument("--family", choices=["two", "many", "backward", "all"], default="all")
     args = parser.parse_args(argv)
     if not cupy.cuda.is_available():
         print("no CUDA device: nothing to sweep")
@@ -173,6 +205,8 @@ def main(argv=None) -> int:
             _table("N-way and ragged (bf16), % of same-bytes copy", sweep_many(rng), MANY_VARIANTS),
             flush=True,
         )
+    if args.family in ("backward", "all"):
+        print(_table("gradients (bf16), % of same-bytes copy", sweep_backward(rng), BACKWARD_VARIANTS), flush=True)
     return 0
 
 
