@@ -190,12 +190,15 @@ SINKS = [
     Case("ragged+sinks", 1024, states=8),
 ]
 QUICK_SINKS = SINKS
-# Gradients, ~1 MB to a few hundred MB of traffic (two-way tokens; N-way and ragged (states, tokens)).
+# Gradients, ~1 MB to a few hundred MB of traffic (two-way tokens; N-way and ragged (states, tokens));
+# the second line of each family is few rows of many states.
 BACKWARD = [
     *(Case("two-way-bwd", tokens) for tokens in (64, 1024, 4096, 8192)),
     *(Case("n-way-bwd", tokens, states=states) for states, tokens in ((4, 16), (16, 64), (4, 1024),
                                                                          (16, 1024), (4, 4096))),
+    *(Case("n-way-bwd", tokens, states=states) for states, tokens in ((64, 64), (256, 8), (1024, 1))),
     *(Case("ragged-bwd", tokens, states=8) for tokens in (64, 512, 4096)),
+    Case("ragged-bwd", 64, states=100),
 ]  # fmt: skip
 QUICK_BACKWARD = [
     Case("two-way-bwd", 1024),
