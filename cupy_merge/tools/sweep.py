@@ -117,6 +117,8 @@ def _row(label: str, nbytes: int, run, variants: dict, rng_check=True) -> tuple[
 def _states(rng, states: int, tokens: int, heads: int, head_size: int):
     """Values, LSEs, ragged offsets (None when dense) and a label; states < 0: ragged, 0..-2*states a token."""
     indptr = None
+    shape: tuple[int, ...]
+    lse_shape: tuple[int, ...]
     if states < 0:
         counts = rng.integers(0, -2 * states + 1, size=tokens)
         indptr = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(counts)]).astype(numpy.int32))
@@ -165,13 +167,15 @@ def sweep_backward(rng) -> list:
         grad = cupy.asarray(rng.standard_normal((tokens, heads, head_size), dtype=numpy.float32)).astype(v.dtype)
         grad_s = cupy.asarray(rng.standard_normal((heads, tokens), dtype=numpy.float32))
         nbytes = 2 * (v.nbytes + s.nbytes) + grad.nbytes + grad_s.nbytes
-        if indptr is None:
-            run = lambda v=v, s=s, grad=grad, grad_s=grad_s: merge_states_backward(v, s, grad, grad_s)[:2]
-        else:
-            run = lambda v=v, s=s, i=indptr, grad=grad, grad_s=grad_s: merge_states_varlen_backward(v, s, i, grad, grad_s)[:2]
-        rows.append(_row(label, nbytes, run, BACKWARD_VARIANTS))
+        rows.append(_row(label, nbytes, _backward_run(v, s, indptr, grad, grad_s), BACKWARD_VARIANTS))
         print(".", end="", file=sys.stderr, flush=True)
     return rows
+
+
+def _backward_run(v, s, indptr, grad, grad_s):
+    if indptr is None:
+        return lambda: merge_states_backward(v, s, grad, grad_s)[:2]
+    return lambda: merge_states_varlen_backward(v, s, indptr, grad, grad_s)[:2]
 
 
 def _many_run(v, s, indptr, out, out_lse):
