@@ -529,16 +529,12 @@ def backward_rows(packs: int, rows: int, row_states: int, ragged: bool, tuning: 
         return BackwardRows(0, 0, 1)
     if not ragged and 1 <= row_states <= 4 and packs <= 32:
         return BackwardRows(1, 2 if row_states == 2 else 4, _lanes(packs, 1))
-    if packs > 64:
-        return BackwardRows(0, 0, 32, _groups(rows * 32, row_states, tuning))
-    if packs > 32:
-        return BackwardRows(2, 0, 32, _groups(rows * 32, -(-row_states // _span(2, ragged, tuning)), tuning))
-    held = 1
-    if packs > 1:
+    held = 0 if packs > 64 else 2 if packs > 32 else 1
+    if held == 1 and packs > 1:
         lanes, chunks = _lanes(packs, 2), -(-row_states // _span(2, ragged, tuning))
         busy = rows * lanes * min(chunks, tuning.backward_groups, BACKWARD_MAX_GROUPS)
         held = 2 if rows >= tuning.backward_two_pack_rows or busy >= tuning.backward_busy_threads else 1
-    lanes = _lanes(packs, held)
+    lanes = _lanes(packs, held) if held else 32
     return BackwardRows(held, 0, lanes, _groups(rows * lanes, -(-row_states // _span(held, ragged, tuning)), tuning))
 
 
@@ -548,8 +544,8 @@ def _lanes(packs: int, held: int) -> int:
 
 
 def _span(held: int, ragged: bool, tuning: Tuning) -> int:
-    """States a group takes at a time: the kernel's kChunk."""
-    return 2 if ragged and held == 2 else tuning.merge_chunk
+    """States a group takes at a time: the kernel's kChunk (one state where lanes loop over packs)."""
+    return 1 if held == 0 else 2 if ragged and held == 2 else tuning.merge_chunk
 
 
 def _groups(threads: int, chunks: int, tuning: Tuning) -> int:
