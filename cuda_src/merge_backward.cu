@@ -26,7 +26,11 @@
 // not short may split their states over `groups` (1, 2 or 4) groups of lanes x rows_y threads, one
 // warp or more each: group g takes the chunks g, g + groups, ... of kChunk states (PACKS 0: states
 // g, g + groups, ...), and the groups add their parts of <dV, V> through shared memory, so that
-// rows of many states keep more of their loads in flight at once. PACKS (1 or 2): every
+// rows of many states keep more of their loads in flight at once. Rows still too few for the GPU
+// split their states over blocks too (gridDim.y splits, a share each): such a launch writes the
+// value gradients and leaves w_i <dV, V_i> in the LSE gradients, and a second launch of the same
+// kernel (finish = 1, a warp a row, one split) sums those into <dV, V> and writes the LSE
+// gradients and the sinks'. PACKS (1 or 2): every
 // row is 1 to PACKS x `lanes` packs (rows of none, head_size 0, and of more than 64 packs take
 // PACKS 0, which loops over the packs that exist), so each thread holds its packs of dV in registers across the states, which it
 // takes a chunk at a time (kChunk). SHORT (2 or 4; 0 for longer rows): dense rows of exactly
@@ -143,7 +147,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     long long gs_stride_state,
     long long grad_out_stride_token, long long grad_out_stride_head,
     long long grad_lse_stride_head, long long grad_lse_stride_token,
-    long long sinks_stride, long long lanes, long long lse_base_2, long long head_multiplier, long long head_shift) {
+    long long sinks_stride, long long lanes, long long lse_base_2, long long head_multiplier, long long head_shift,
+    long long finish) {
   static_assert(SHORT == 0 || (PACKS > 0 && !RAGGED), "short rows are dense, their packs held in registers");
   constexpr int kHeld = PACKS > 0 ? PACKS : 1;  // the packs a lane holds (PACKS 0: its first, unused)
   // States loaded together. Ragged rows of two packs a lane take 2: their rows are short and of
@@ -169,6 +174,11 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
   constexpr int kSpan = PACKS > 0 ? kChunk : 1;
   auto state_of = [&](Index k) -> Index { return (k / kSpan) * groups * kSpan + group * kSpan + k % kSpan; };
   int parity = 0;
+  // Split launches (gridDim.y > 1: rows too few for the GPU) take a share of each row's states a
+  // block and leave w_i <dV, V_i> in the LSE gradients; a finishing launch (finish, one split)
+  // then sums them into <dV, V> and writes the LSE gradients and the sinks'.
+  const Index split = static_cast<Index>(blockIdx.y), splits = static_cast<Index>(gridDim.y);
+  const bool splitting = SHORT == 0 && splits > 1;  // short rows never split
   const Index packs = static_cast<Index>(head_size / VEC);
   const int row_lanes = static_cast<int>(lanes);
   bool has_pack[kHeld];
@@ -208,8 +218,18 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
       count = valid ? static_cast<Index>(ragged.count) : 0;
       bad = ragged.bad;
     }
-    // The states every row of the warp loops over (its own count of them real).
-    const Index loop_count = RAGGED ? warp_max(count) : static_cast<Index>(num_states);
+    // The states whose values this block takes: all of the row's, or split blockIdx.y's share (a
+    // multiple of the chunk), `taken` from `from` on. The value work numbers them 0 .. taken - 1
+    // (only the merged LSE and the finishing launch need the row's first and count), and every
+    // row of the warp loops over 0 .. loop_count - 1 (its own up to taken real).
+    Index from = first, taken = count;
+    if (splitting) {
+      const Index share = ((count + splits - 1) / splits + kSpan - 1) / kSpan * kSpan;
+      const Index lo = min(count, split * share);
+      from = first + lo;
+      taken = min(count - lo, share);
+    }
+    const Index loop_count = RAGGED ? warp_max(taken) : taken;
     // The token's states: in a ragged batch the token's own offset moves into the state index
     // (rows first .. first + count - 1).
     const Index t0 = RAGGED ? 0 : token;
@@ -221,10 +241,11 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
                                                      gv1_stride_token, gv1_stride_head, gv_stride_state);
     const auto gs_at = StatePointers<float, Index>::of(gs0, gs1, t0, head, gs0_stride_token, gs0_stride_head,
                                                        gs1_stride_token, gs1_stride_head, gs_stride_state);
-    // State i of the row (0 <= i < loop_count) as loaded: past the row's count, its last state
-    // (or the batch's first, for a row of none) stands in, and is not used.
-    auto loaded = [&](Index i) { return count == 0 ? 0 : first + min(i, count - 1); };
-    auto lse_of = [&](Index i) { return empty_if_inf(*lse_at.at(loaded(i))) * to_natural; };
+    // Taken state i (0 <= i < loop_count) as loaded: past the taken, the last of them (or the
+    // batch's first, for none) stands in, and is not used.
+    auto loaded = [&](Index i) { return taken == 0 ? 0 : from + min(i, taken - 1); };
+    auto lse_at_index = [&](Index at) { return empty_if_inf(*lse_at.at(at)) * to_natural; };
+    auto lse_of = [&](Index i) { return lse_at_index(loaded(i)); };
     auto v_pack = [&](Index i, int q) {
       return load_pack(reinterpret_cast<const InPack*>(v_at.at(loaded(i))) + pack[q]);
     };
@@ -238,7 +259,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     float dV[kHeld][VEC] = {};  // PACKS: this lane's packs of dV, widened once for every state (zero past the row)
 #pragma unroll
     for (int q = 0; q < kHeld; ++q) {
-      if (PACKS && dV_row != nullptr && has_pack[q]) {
+      if (PACKS && !finish && dV_row != nullptr && has_pack[q]) {
         const OutPack held = dV_row[pack[q]];
 #pragma unroll
         for (int k = 0; k < VEC; ++k) dV[q][k] = to_float(held.v[k]);
@@ -264,7 +285,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
         float part = 0.0f;
         const InPack g = state_gradient(w, xi[q], dV[q], part);
         partial += has_pack[q] ? part : 0.0f;  // a pack past the row's is its first: 0 x inf would be NaN
-        if (valid && i < count && has_pack[q]) store_pack(reinterpret_cast<InPack*>(gv_at.at(first + i)) + pack[q], g);
+        if (valid && i < taken && has_pack[q]) store_pack(reinterpret_cast<InPack*>(gv_at.at(from + i)) + pack[q], g);
       }
       return partial;
     };
@@ -297,13 +318,13 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
       for (int j = 0; j < kChunk; ++j) {
         if (SHORT && j >= SHORT) break;
         const float s = lse_of(i0 + j);
-        lse[j] = i0 + j < count ? s : negative_infinity();
+        lse[j] = i0 + j < taken ? s : negative_infinity();
 #pragma unroll
         for (int q = 0; q < kHeld; ++q) x[j][q] = v_pack(i0 + j, q);
       }
     };
     const Index first_chunk = static_cast<Index>(group) * kSpan;  // 0 for short rows (one group)
-    if (PACKS && first_chunk < loop_count) load_chunk(first_chunk);
+    if (PACKS && !finish && first_chunk < loop_count) load_chunk(first_chunk);
 
     if constexpr (SHORT > 0) {
       // The whole row in registers: S from its LSEs, every lane holding every state's
@@ -344,8 +365,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     // then the row's lanes combine theirs.
     float top = negative_infinity(), total = 0.0f;
     bool broken = false;
-    for (Index i = lane; i < count; i += row_lanes) {
-      const float s = lse_of(i);
+    for (Index i = lane; i < count; i += row_lanes) {  // every state of the row, not only the share's
+      const float s = lse_at_index(first + i);
       broken |= is_nan(s);
       if (s > top) {
         total = total * backward_weight(top - s) + 1.0f;
@@ -374,18 +395,29 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
       }
     }
     const float S = merged_lse(top, total);
+    if (finish) {  // after a split launch: every state's w_i <dV, V_i> is in its LSE gradient
+      float part = 0.0f;
+      for (Index i = lane; i < count; i += row_lanes) part += *gs_at.at(first + i);
+      const float dot_v = row_sum(part, row_lanes);
+      for (Index i = lane; valid && i < count; i += row_lanes) {
+        float* gsi = gs_at.at(first + i);
+        *gsi = lse_gradient(broken, weight(broken, S, lse_of(i)), *gsi, dot_v);
+      }
+      add_sink_gradient(broken, S, dot_v);
+      continue;
+    }
     float dot_v = 0.0f;  // <dV, V>
     auto finish_state = [&](Index i, Index k, float w, float partial) {  // i: the k-th state of the group's
       const float d_i = row_sum(partial, row_lanes);
       const float term = w == 0.0f ? 0.0f : w * d_i;
       dot_v += term;
-      if (i < count && (k & (row_lanes - 1)) == lane) {
+      if (i < taken && (k & (row_lanes - 1)) == lane) {
         const Index slot = k >> lane_shift;
-        if (slot < kBackwardSlots) {
+        if (slot < kBackwardSlots && !splitting) {
           saved_terms[slot][thread] = term;
           saved_weights[slot][thread] = w;
         } else if (valid) {
-          *gs_at.at(first + i) = term;
+          *gs_at.at(from + i) = term;
         }
       }
     };
@@ -397,15 +429,16 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
 #pragma unroll
         for (int j = 0; j < kChunk; ++j) {
           if (i0 + j >= loop_count) break;  // uniform across the warp
-          const float w = i0 + j < count ? weight(broken, S, lse[j]) : 0.0f;
-          finish_state(i0 + j, k0 + j, w, held_state_gradients(i0 + j, w, x[j]));
+          const Index i = i0 + j;
+          const float w = i < taken ? weight(broken, S, lse[j]) : 0.0f;
+          finish_state(i, k0 + j, w, held_state_gradients(i, w, x[j]));
         }
       }
     } else {
       Index nth = 0;  // i is the group's nth state
 #pragma unroll 4
       for (Index i = group; i < loop_count; i += groups, ++nth) {
-        const bool real = i < count;
+        const bool real = i < taken;
         const float w = real ? weight(broken, S, lse_of(i)) : 0.0f;
         const InPack* vi = reinterpret_cast<const InPack*>(v_at.at(loaded(i)));
         float partial = 0.0f;
@@ -415,11 +448,19 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
 #pragma unroll
           for (int k = 0; k < VEC; ++k) d[k] = to_float(dv.v[k]);
           const InPack g = state_gradient(w, load_pack(vi + p), d, partial);
-          if (valid) store_pack(reinterpret_cast<InPack*>(gv_at.at(first + i)) + p, g);
+          if (valid) store_pack(reinterpret_cast<InPack*>(gv_at.at(from + i)) + p, g);
         }
         finish_state(i, nth, w, partial);
       }
     }
+    if (RAGGED && valid && bad && split == 0) {  // no token may own the rows between its offsets: zeros, not stale memory
+      const long long begin = indptr_entry(indptr, indptr_bytes, indptr_stride, token);
+      const long long end = indptr_entry(indptr, indptr_bytes, indptr_stride, token + 1);
+      const auto clamped = [&](long long r) { return static_cast<Index>(min(max(r, 0ll), num_states)); };
+      zero_rows<VEC>(gv_at, gs_at, clamped(min(begin, end)) + static_cast<Index>(group), clamped(max(begin, end)), lane,
+                     row_lanes, packs, static_cast<Index>(groups));
+    }
+    if (splitting) continue;  // the LSE gradients and the sinks' are the finishing launch's
     if (groups > 1) {  // uniform across the block
       if (lane == 0) group_dots[parity][group_row] = dot_v;
       __syncthreads();
@@ -427,26 +468,20 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
       for (int g = 0; g < groups; ++g) dot_v += group_dots[parity][g * blockDim.y + threadIdx.y];
       parity ^= 1;
     }
-    // ds_i = w_i d_i + w_i (dS - <dV, V>), by the lane that kept state i's share.
+    // ds_i = w_i d_i + w_i (dS - <dV, V>), by the lane that kept state i's share (every state
+    // taken: not splitting).
     Index slot = 0;
-    for (Index k = lane; valid && state_of(k) < count; k += row_lanes, ++slot) {
+    for (Index k = lane; valid && state_of(k) < taken; k += row_lanes, ++slot) {
       const Index i = state_of(k);
-      float* gsi = gs_at.at(first + i);
+      float* gsi = gs_at.at(from + i);
       const bool kept = slot < kBackwardSlots;
       const float w = kept ? saved_weights[slot][thread] : weight(broken, S, lse_of(i));
       const float term = kept ? saved_terms[slot][thread] : *gsi;
       *gsi = lse_gradient(broken, w, term, dot_v);
     }
     add_sink_gradient(broken, S, dot_v);
-    if (RAGGED && valid && bad) {  // no token may own the rows between its offsets: zeros, not stale memory
-      const long long begin = indptr_entry(indptr, indptr_bytes, indptr_stride, token);
-      const long long end = indptr_entry(indptr, indptr_bytes, indptr_stride, token + 1);
-      const auto clamped = [&](long long r) { return static_cast<Index>(min(max(r, 0ll), num_states)); };
-      zero_rows<VEC>(gv_at, gs_at, clamped(min(begin, end)) + static_cast<Index>(group), clamped(max(begin, end)), lane,
-                     row_lanes, packs, static_cast<Index>(groups));
-    }
   }
-  if constexpr (RAGGED) {
+  if (RAGGED && !finish && split == 0) {
     // The rows before indptr[0] and from indptr[num_tokens] on belong to no token: zero (the
     // gradients are not allocated as zeros: that cost a pass over them, session 12). Row-major
     // over the grid's rows of threads, so neighbouring rows of threads write neighbouring memory.

@@ -189,7 +189,7 @@ BACKWARD = KernelFamily(
         "s0_stride_head", "s0_stride_token", "s1_stride_head", "s1_stride_token", "s_stride_state",
         "gs0_stride_head", "gs0_stride_token", "gs1_stride_head", "gs1_stride_token", "gs_stride_state",
         "grad_out_stride_token", "grad_out_stride_head", "grad_lse_stride_head", "grad_lse_stride_token",
-        "sinks_stride", "lanes", "lse_base_2", "head_multiplier", "head_shift",
+        "sinks_stride", "lanes", "lse_base_2", "head_multiplier", "head_shift", "finish",
     ),
 )  # fmt: skip
 

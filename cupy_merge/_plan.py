@@ -35,6 +35,8 @@ from ._tuning import Tuning
 INDEX_32_LIMIT = cat.INDEX_32_LIMIT
 #: Work items beyond this many blocks are looped over inside the strided kernels.
 MAX_GRID_X = 2**31 - 1
+#: CUDA's limit on a grid's second dimension.
+MAX_GRID_Y = 65535
 #: CUDA's limit on a block's threads.
 CUDA_BLOCK_LIMIT = 1024
 
@@ -509,22 +511,27 @@ class BackwardRows(NamedTuple):
     """How the gradient kernel takes a row: ``held`` packs a lane in registers (PACKS; 0: the lanes
     loop over the packs, for rows of more than 64 or none, whose null arrays must not be read),
     ``short`` 2 or 4 for dense rows of exactly 2 or at most 4 states held whole in registers (0:
-    longer rows), ``lanes`` threads a row (a power of two up to 32), and ``groups`` of threads
-    its states are split over (1, 2 or 4), a chunk of states at a time each."""
+    longer rows), ``lanes`` threads a row (a power of two up to 32), ``groups`` of threads of a
+    block its states are split over (1, 2 or 4), a chunk of states at a time each, and ``splits``
+    blocks that take a share of the row's states each (then a finishing launch writes the LSE
+    gradients)."""
 
     held: int
     short: int
     lanes: int
     groups: int = 1
+    splits: int = 1
 
 
 def backward_rows(packs: int, rows: int, row_states: int, ragged: bool, tuning: Tuning) -> BackwardRows:
     """The gradient kernel's way through ``rows`` (token, head) pairs of ``packs`` packs and
     ``row_states`` states each (ragged: the mean, rounded up).
 
-    Rows that are not short split their states over as many groups as keep the threads at most
-    ``tuning.backward_busy_threads`` (and take two packs a lane where that many threads are still
-    reached, or where rows alone are ``tuning.backward_two_pack_rows`` or more)."""
+    Rows that are not short split their states over as many groups, and then blocks, as keep the
+    threads at most ``tuning.backward_busy_threads``, each group at least
+    ``tuning.backward_split_chunks`` chunks of a split's share; they take two packs a lane where
+    that many threads are still reached, or where rows alone are ``tuning.backward_two_pack_rows``
+    or more."""
     if packs == 0:
         return BackwardRows(0, 0, 1)
     if not ragged and 1 <= row_states <= 4 and packs <= 32:
@@ -535,7 +542,11 @@ def backward_rows(packs: int, rows: int, row_states: int, ragged: bool, tuning: 
         busy = rows * lanes * min(chunks, tuning.backward_groups, BACKWARD_MAX_GROUPS)
         held = 2 if rows >= tuning.backward_two_pack_rows or busy >= tuning.backward_busy_threads else 1
     lanes = _lanes(packs, held) if held else 32
-    return BackwardRows(held, 0, lanes, _groups(rows * lanes, -(-row_states // _span(held, ragged, tuning)), tuning))
+    chunks = -(-row_states // _span(held, ragged, tuning))
+    groups = _halvings(rows * lanes, min(chunks, tuning.backward_groups, BACKWARD_MAX_GROUPS), tuning)
+    most = min(chunks // (groups * tuning.backward_split_chunks), MAX_GRID_Y)
+    splits = _halvings(rows * lanes * groups, most, tuning) if most >= 2 else 1
+    return BackwardRows(held, 0, lanes, groups, splits)
 
 
 def _lanes(packs: int, held: int) -> int:
@@ -548,14 +559,13 @@ def _span(held: int, ragged: bool, tuning: Tuning) -> int:
     return 1 if held == 0 else 2 if ragged and held == 2 else tuning.merge_chunk
 
 
-def _groups(threads: int, chunks: int, tuning: Tuning) -> int:
-    """Groups (a power of two) a row's ``chunks`` spans of states split over, where the rows take
-    ``threads`` threads in one group: as many as keep the threads at most busy_threads."""
-    groups = 1
-    while (groups * 2 <= min(chunks, tuning.backward_groups, BACKWARD_MAX_GROUPS)
-           and threads * groups * 2 <= tuning.backward_busy_threads):  # fmt: skip
-        groups *= 2
-    return groups
+def _halvings(threads: int, most: int, tuning: Tuning) -> int:
+    """The largest power of two up to ``most`` that keeps ``threads`` times it within busy_threads
+    (at least 1): how many ways work of ``threads`` threads is split."""
+    ways = 1
+    while ways * 2 <= most and threads * ways * 2 <= tuning.backward_busy_threads:
+        ways *= 2
+    return ways
 
 
 def plan_backward(
@@ -579,12 +589,12 @@ def plan_backward(
     )
     rows = num_tokens * num_heads
     row_states = -(-num_states // max(num_tokens, 1)) if ragged else num_states
-    held, short, lanes, groups = backward_rows(head_size // vec, rows, row_states, ragged, tuning)
+    held, short, lanes, groups, splits = backward_rows(head_size // vec, rows, row_states, ragged, tuning)
     rows_y = BACKWARD_THREADS // (lanes * groups)
     blocks = -(-rows // rows_y)
     if ragged:  # rows no token owns may be any of the batch's
         blocks = max(blocks, min(-(-(num_states * num_heads) // (rows_y * groups)), BACKWARD_ZEROING_BLOCKS))
-    grid = (max(1, min(blocks, MAX_GRID_X)), 1, 1)
+    grid = (max(1, min(blocks, MAX_GRID_X)), splits, 1)
     args: dict[str, Any] = {
         "gv0": Pointer("grad_v"), "gs0": Pointer("grad_s"), "v0": Pointer("v"), "s0": Pointer("s"),
         "grad_out": Pointer("grad_out"), "grad_lse": _pointer(specs, "grad_lse"),
@@ -594,7 +604,7 @@ def plan_backward(
         "num_states": num_states, "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size,
         "grad_out_stride_token": grad_out.strides[0], "grad_out_stride_head": grad_out.strides[1],
         **_lse_strides("grad_lse", specs.grad_lse), "sinks_stride": _used(specs.sinks, 0),
-        "lanes": lanes, "lse_base_2": options.lse_base_2,
+        "lanes": lanes, "lse_base_2": options.lse_base_2, "finish": 0,
     }  # fmt: skip
     for array, first, rest in (("v", "v", "v_b"), ("gv", "grad_v", "grad_v_b"), ("s", "s", "s_b"),
                                ("gs", "grad_s", "grad_s_b")):  # fmt: skip
@@ -621,7 +631,15 @@ def plan_backward(
         args.update({"head_multiplier": 0, "head_shift": 0})
     template = {"TIn": state.dtype, "TOut": grad_out.dtype, "VEC": vec, "PACKS": held, "SHORT": short,
                 "RAGGED": ragged, "SINKS": specs.sinks is not None, "Index": index}  # fmt: skip
-    return (_launch(cat.BACKWARD, module, template, grid, (lanes, rows_y, groups), 0, args),)
+    launch = _launch(cat.BACKWARD, module, template, grid, (lanes, rows_y, groups), 0, args)
+    if splits == 1:
+        return (launch,)
+    # The finishing launch: a warp a row, over its states' LSEs and LSE gradients only.
+    finish_rows = BACKWARD_THREADS // 32
+    finish_grid = (max(1, min(-(-rows // finish_rows), MAX_GRID_X)), 1, 1)
+    finish = _launch(cat.BACKWARD, module, template, finish_grid, (32, finish_rows, 1), 0,
+                     {**args, "lanes": 32, "finish": 1})  # fmt: skip
+    return launch, finish
 
 
 def _backward_strides(first: ArraySpec, rest: ArraySpec | None, two_way: bool, ragged: bool, lse: bool):

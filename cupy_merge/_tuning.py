@@ -65,6 +65,10 @@ class Tuning:
     #: and more lost 2-24 points with groups (a barrier a row), so they keep one.
     backward_groups: int = 4
     backward_busy_threads: int = 65536
+    #: Gradients: rows still too few then split their states over blocks (a share each, then a
+    #: finishing launch for the LSE gradients), each group taking at least this many chunks of a
+    #: share (every block reads all of its rows' LSEs for their merged LSE).
+    backward_split_chunks: int = 2
     #: Programmatic dependent launch on sm_90 and newer: a merge's blocks start while the kernel
     #: before it drains, and wait for its results before their first load. Off by default: in a
     #: CUDA-graph chain (producer, merge, consumer) it saved nothing measurable (within +-1 us at

@@ -314,3 +314,55 @@ def test_every_split_of_a_rows_states_over_groups_follows_the_reference(rng, gro
                                                sinks=to_host(sinks))  # fmt: skip
     for index, what in enumerate(("grad of v", "grad of s", "grad of the sinks")):
         _close(got[index], want[index], "bfloat16", what)
+
+
+@pytest.mark.parametrize("split_chunks", [1, 2])  # shares of 1 and of 2 chunks a group
+@pytest.mark.parametrize("lse_base", ["e", 2])
+@pytest.mark.parametrize("num_states, tokens, heads, head_size, dtype", [
+    (1024, 1, 4, 128, "bfloat16"), (3001, 2, 2, 64, "float32"), (77, 1, 3, 96, "float16"),
+])  # fmt: skip
+def test_rows_split_over_blocks_follow_the_reference(rng, split_chunks, lse_base, num_states, tokens, heads,
+                                                     head_size, dtype):  # fmt: skip
+    """Few rows of many states: each block takes a share of a row's states, a finishing launch
+    writes the LSE gradients and the sinks'."""
+    from cupy_merge import _tuning
+
+    v = to_device(rng.standard_normal((num_states, tokens, heads, head_size)), dtype)
+    lse = (rng.standard_normal((num_states, heads, tokens)) * 3).astype(np.float32)
+    lse[:5, 0] = -np.inf  # empty states in the first share
+    s = to_device(lse, "float32")
+    grad_v = to_device(rng.standard_normal((tokens, heads, head_size)), dtype)
+    grad_s = to_device(rng.standard_normal((heads, tokens)), "float32")
+    sinks = to_device(rng.standard_normal(heads), "float32")
+    _poison_the_pool(((num_states, tokens, heads, head_size), dtype), ((num_states, heads, tokens), "float32"))
+    with _tuning.use(_tuning.DEFAULT.replace(backward_split_chunks=split_chunks)):
+        got = backward.merge_states_backward(v, s, grad_v, grad_s, sinks=sinks, lse_base=lse_base)
+    want = reference.merge_states_backward(to_host(v), lse, to_host(grad_v), to_host(grad_s), sinks=to_host(sinks),
+                                           lse_base=lse_base)  # fmt: skip
+    for index, what in enumerate(("grad of v", "grad of s", "grad of the sinks")):
+        _close(got[index], want[index], dtype, what)
+
+
+def test_a_ragged_batch_of_few_long_tokens_splits_and_zeroes_what_no_token_owns(rng):
+    """Tokens of 0-2000 states over 2 heads split over blocks; the three leading rows, the rows a
+    token past the end spans, and the trailing rows get zeros."""
+    import cupy
+
+    indptr = np.array([3, 3, 903, 906, 2906, 4000], dtype=np.int64)  # the last token ends past the rows
+    rows, heads, head_size = 2910, 2, 128
+    v = to_device(rng.standard_normal((rows, heads, head_size)), "bfloat16")
+    s = to_device(rng.standard_normal((heads, rows)) * 2, "float32")
+    grad_v = to_device(rng.standard_normal((5, heads, head_size)), "bfloat16")
+    grad_s = to_device(rng.standard_normal((heads, 5)), "float32")
+    sinks = to_device(rng.standard_normal(heads), "float32")
+    offsets = cupy.asarray(indptr)
+    _poison_the_pool(((rows, heads, head_size), "bfloat16"), ((heads, rows), "float32"))
+    got = cm.merge_states_varlen_backward(v, s, offsets, grad_v, grad_s, sinks=sinks)
+    want = reference.merge_states_varlen_backward(to_host(v)[3:2906], to_host(s)[:, 3:2906], indptr[:5] - 3,
+                                                  to_host(grad_v)[:4], to_host(grad_s)[:, :4], sinks=to_host(sinks))  # fmt: skip
+    got_v, got_s = to_host(got[0]), to_host(got[1])
+    _close(got_v[3:2906], want[0], "bfloat16", "grad of v")
+    _close(got_s[:, 3:2906], want[1], "bfloat16", "grad of s")
+    _close(got[2], want[2], "bfloat16", "grad of the sinks")
+    for unowned in (slice(0, 3), slice(2906, rows)):
+        assert (got_v[unowned] == 0).all() and (got_s[:, unowned] == 0).all(), unowned

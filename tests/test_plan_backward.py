@@ -13,11 +13,13 @@ from cupy_merge.backward import _MERGE_STATE_BACKWARD, _MERGE_STATES_BACKWARD, _
 TOKENS, HEADS = 5, 3
 
 
-def _plan_of(operation, operands):
-    planned = _dispatch.plan_for(operation, BackwardOptions(), _tuning.DEFAULT, operands)
-    (launch,) = planned.plan
-    assert launch.kernel in cat.module_instances(launch.module), launch.kernel
-    return launch
+def _plan_of(operation, operands, tuning=_tuning.DEFAULT):
+    """The plan's gradient launch (the first: a split plan's finishing launch follows it)."""
+    planned = _dispatch.plan_for(operation, BackwardOptions(), tuning, operands)
+    assert len(planned.plan) in (1, 2)
+    for launch in planned.plan:
+        assert launch.kernel in cat.module_instances(launch.module), launch.kernel
+    return planned.plan[0]
 
 
 def _dense(states, head_size=128, dtype="bfloat16", grad_out=None):
@@ -165,8 +167,40 @@ def test_every_row_kind_the_planner_chooses_is_instantiated():
         for rows in (1, TWO_PACK_ROWS - 1, TWO_PACK_ROWS):
             for states in (0, 1, 2, 3, 4, 5, 64):
                 for ragged in (False, True):
-                    held, short, lanes, groups = _plan.backward_rows(packs, rows, states, ragged, _tuning.DEFAULT)
+                    held, short, lanes, groups, _ = _plan.backward_rows(packs, rows, states, ragged, _tuning.DEFAULT)
                     assert packs <= max(held, 1) * lanes or held == 0, (packs, held, lanes)
                     assert groups == 1 or not short, (states, groups)
                     kinds.add((held, short, ragged))
     assert kinds == set(cat.BACKWARD_ROW_KINDS)
+
+
+def test_rows_too_few_for_groups_alone_split_their_states_over_blocks_then_finish():
+    """1024 states of one token, 32 heads: four groups give 2048 threads, so the states split over
+    32 blocks a row (a share of 32 states each), and a second launch, a warp a row, finishes."""
+    operands = BackwardOperands(
+        None, None,
+        view((1024, 1, 32, 128), "bfloat16", ptr=1 << 32), view((1024, 32, 1), "float32", ptr=2 << 32),
+        view((1, 32, 128), "bfloat16", ptr=3 << 32), view((32, 1), "float32", ptr=4 << 32),
+    )  # fmt: skip
+    planned = _dispatch.plan_for(_MERGE_STATES_BACKWARD, BackwardOptions(), _tuning.DEFAULT, operands)
+    main, finish = planned.plan
+    assert main.block == (16, 2, 4) and main.grid == (16, 32, 1)
+    assert finish.kernel == main.kernel and finish.block == (32, 4, 1) and finish.grid == (8, 1, 1)
+    assert (arguments(main)["finish"], arguments(finish)["finish"]) == (0, 1)
+    assert arguments(finish)["lanes"] == 32
+    unsplit = _tuning.DEFAULT.replace(backward_split_chunks=10**6)
+    (launch,) = _dispatch.plan_for(_MERGE_STATES_BACKWARD, BackwardOptions(), unsplit, operands).plan
+    assert launch.grid[1] == 1
+
+
+@pytest.mark.parametrize("rows, states, ragged, splits", [
+    (32, 1024, False, 32),
+    (32 * 8, 256, False, 4),
+    (2048, 16, False, 1),  # groups fill the GPU alone
+    (64 * 32, 100, True, 1),  # ragged: the mean's chunks
+    (32, 100, True, 2),  # 25 chunks: a share of at least two a group
+])  # fmt: skip
+def test_splits_keep_the_threads_within_busy_threads(rows, states, ragged, splits):
+    got = _plan.backward_rows(16, rows, states, ragged, _tuning.DEFAULT)
+    assert got.splits == splits
+    assert rows * got.lanes * got.groups * got.splits <= max(_tuning.DEFAULT.backward_busy_threads, rows * got.lanes)

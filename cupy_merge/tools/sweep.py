@@ -62,19 +62,20 @@ MANY_VARIANTS = {
     "pdl": {"programmatic_launch": True},
 }
 
-#: The gradient's cases, as MANY_CASES; its variants against one group a row (the first column:
-#: session 12's kernel, and the error's reference).
+#: The gradient's cases, as MANY_CASES; its variants against one group and one block a row (the
+#: first column: session 12's kernel, and the error's reference).
 BACKWARD_CASES = [
-    (16, 64, 32, 128), (64, 64, 32, 128), (256, 8, 32, 128), (1024, 1, 32, 128), (8, 256, 32, 128),
-    (4, 1024, 32, 128), (16, 1024, 32, 128), (8, 4096, 32, 128), (16, 2048, 8, 128),
-    (-8, 64, 32, 128), (-8, 512, 32, 128), (-8, 4096, 32, 128), (-100, 64, 32, 128),
+    (1024, 1, 32, 128), (4096, 1, 32, 128), (256, 8, 32, 128), (64, 64, 32, 128), (16, 64, 32, 128),
+    (8, 256, 32, 128), (16, 1024, 32, 128), (8, 4096, 32, 128), (16, 2048, 8, 128),
+    (-8, 64, 32, 128), (-8, 512, 32, 128), (-8, 4096, 32, 128), (-100, 64, 32, 128), (-500, 8, 32, 128),
 ]  # fmt: skip
 BACKWARD_VARIANTS = {
-    "one-group": {"backward_groups": 1},
+    "one-block": {"backward_groups": 1, "backward_split_chunks": 2**62},
     "default": {},
-    "groups2": {"backward_groups": 2},
+    "no-splits": {"backward_split_chunks": 2**62},
+    "split1": {"backward_split_chunks": 1},
     "busy2x": {"backward_busy_threads": 2 * _tuning.DEFAULT.backward_busy_threads},
-    "busy-half": {"backward_busy_threads": _tuning.DEFAULT.backward_busy_threads // 2},
+    "busy4x": {"backward_busy_threads": 4 * _tuning.DEFAULT.backward_busy_threads},
     "two-packs": {"backward_two_pack_rows": 0},
 }
 
