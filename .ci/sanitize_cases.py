@@ -113,14 +113,21 @@ want = reference.merge_states_backward(v, s, grad, sinks=sinks.get())
 check("backward N-way", got[0], want[0], 1e-5)
 check("backward N-way sinks", got[2], want[2], 1e-5)
 # Past the shares a lane keeps in shared memory, the states split over 1, 2 and 4 groups of
-# threads (which add their parts through shared memory, a barrier a row).
+# threads (which add their parts through shared memory, a barrier a row), one block a row; then
+# over blocks too (a split launch, a finishing launch).
 v, s = random_states(150, 3, 2, 64, lse_shape=(150, 2, 3))
 want = reference.merge_states_backward(v, s, grad[:3, :2], sinks=sinks.get()[:2])
 for groups in (1, 2, 4):
-    with _tuning.use(_tuning.DEFAULT.replace(backward_groups=groups)):
+    with _tuning.use(_tuning.DEFAULT.replace(backward_groups=groups, backward_split_chunks=2**62)):
         got = cm.merge_states_backward(cupy.asarray(v), cupy.asarray(s), cupy.asarray(grad[:3, :2]), sinks=sinks[:2])
     check(f"backward 150 states, {groups} groups", got[1], want[1], 1e-5)
     check(f"backward 150 states, {groups} groups (sinks)", got[2], want[2], 1e-5)
+for split_chunks in (1, 2):
+    with _tuning.use(_tuning.DEFAULT.replace(backward_split_chunks=split_chunks)):
+        got = cm.merge_states_backward(cupy.asarray(v), cupy.asarray(s), cupy.asarray(grad[:3, :2]), sinks=sinks[:2])
+    check(f"backward 150 states split over blocks ({split_chunks})", got[0], want[0], 1e-5)
+    check(f"backward 150 states split over blocks ({split_chunks}, LSE)", got[1], want[1], 1e-5)
+    check(f"backward 150 states split over blocks ({split_chunks}, sinks)", got[2], want[2], 1e-5)
 v, s = random_states(6, 9, 8, 64, lse_shape=(6, 8, 9))
 got = cm.merge_state_backward(*(cupy.asarray(x) for x in (v[0], s[0], v[1], s[1], grad)))
 check("backward two-way", got[2], reference.merge_state_backward(v[0], s[0], v[1], s[1], grad)[2], 1e-5)
@@ -148,6 +155,19 @@ rows, rows_s = random_states(int(indptr[-1]), 8, 64, lse_shape=(8, int(indptr[-1
 got = cm.merge_states_varlen_backward(cupy.asarray(rows), cupy.asarray(rows_s), cupy.asarray(indptr), cupy.asarray(grad))
 want = reference.merge_states_varlen_backward(rows, rows_s, indptr, grad)
 check("backward ragged, two packs a lane", got[1], want[1], 1e-5)
+# Few long ragged tokens split over blocks: leading rows, an empty token, one past the rows.
+indptr = numpy.array([3, 3, 400, 403, 1300, 2000], dtype=numpy.int32)
+rows, rows_s = random_states(1304, 2, 64, lse_shape=(2, 1304))
+grad = rng.standard_normal((5, 2, 64)).astype(numpy.float32)
+got = cm.merge_states_varlen_backward(cupy.asarray(rows), cupy.asarray(rows_s), cupy.asarray(indptr), cupy.asarray(grad),
+                                      sinks=sinks[:2])  # fmt: skip
+owned = reference.merge_states_varlen_backward(rows[3:1300], rows_s[:, 3:1300], indptr[:5] - 3, grad[:4],
+                                               sinks=sinks.get()[:2])  # fmt: skip
+want_v, want_s = numpy.zeros_like(rows), numpy.zeros_like(rows_s)
+want_v[3:1300], want_s[:, 3:1300] = owned[0], owned[1]
+check("backward ragged split over blocks", got[0], want_v, 1e-5)
+check("backward ragged split over blocks (LSE)", got[1], want_s, 1e-5)
+check("backward ragged split over blocks (sinks)", got[2], owned[2], 1e-5)
 
 # FP8 group scales with the LSE written in place over rows longer than a block: two launches.
 v_a, v_b = (cupy.asarray(rng.standard_normal((3, 2, 2048)).astype(numpy.float16)) for _ in range(2))

@@ -29,8 +29,9 @@
 // rows of many states keep more of their loads in flight at once. Rows still too few for the GPU
 // split their states over blocks too (gridDim.y splits, a share each): such a launch writes the
 // value gradients and leaves w_i <dV, V_i> in the LSE gradients, and a second launch of the same
-// kernel (finish = 1, a warp a row, one split) sums those into <dV, V> and writes the LSE
-// gradients and the sinks'. PACKS (1 or 2): every
+// kernel (finish = 1, one split, the same lanes a row, so that S is the same to the bit) sums
+// those into <dV, V>, writes the LSE gradients and the sinks', and zeroes a ragged batch's rows
+// no token owns. PACKS (1 or 2): every
 // row is 1 to PACKS x `lanes` packs (rows of none, head_size 0, and of more than 64 packs take
 // PACKS 0, which loops over the packs that exist), so each thread holds its packs of dV in registers across the states, which it
 // takes a chunk at a time (kChunk). SHORT (2 or 4; 0 for longer rows): dense rows of exactly
@@ -397,7 +398,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     const float S = merged_lse(top, total);
     if (finish) {  // after a split launch: every state's w_i <dV, V_i> is in its LSE gradient
       float part = 0.0f;
-      for (Index i = lane; i < count; i += row_lanes) part += *gs_at.at(first + i);
+      for (Index i = lane; valid && i < count; i += row_lanes) part += *gs_at.at(first + i);
       const float dot_v = row_sum(part, row_lanes);
       for (Index i = lane; valid && i < count; i += row_lanes) {
         float* gsi = gs_at.at(first + i);
@@ -481,7 +482,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     }
     add_sink_gradient(broken, S, dot_v);
   }
-  if (RAGGED && !finish && split == 0) {
+  if (RAGGED && !splitting) {  // a split launch leaves this to its finishing launch
     // The rows before indptr[0] and from indptr[num_tokens] on belong to no token: zero (the
     // gradients are not allocated as zeros: that cost a pass over them, session 12). Row-major
     // over the grid's rows of threads, so neighbouring rows of threads write neighbouring memory.

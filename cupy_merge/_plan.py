@@ -588,12 +588,13 @@ def plan_backward(
         [spec for spec in values if spec is not None], head_size, cat.vector_widths(state.dtype, grad_out.dtype)
     )
     rows = num_tokens * num_heads
-    row_states = -(-num_states // max(num_tokens, 1)) if ragged else num_states
+    # Ragged: the mean (counting rows no token owns); no tokens: nothing to split.
+    row_states = (-(-num_states // num_tokens) if num_tokens else 0) if ragged else num_states
     held, short, lanes, groups, splits = backward_rows(head_size // vec, rows, row_states, ragged, tuning)
     rows_y = BACKWARD_THREADS // (lanes * groups)
     blocks = -(-rows // rows_y)
-    if ragged:  # rows no token owns may be any of the batch's
-        blocks = max(blocks, min(-(-(num_states * num_heads) // (rows_y * groups)), BACKWARD_ZEROING_BLOCKS))
+    if ragged and splits == 1:  # rows no token owns may be any of the batch's (split: the finish's)
+        blocks = max(blocks, _zeroing_blocks(num_states * num_heads, rows_y * groups))
     grid = (max(1, min(blocks, MAX_GRID_X)), splits, 1)
     args: dict[str, Any] = {
         "gv0": Pointer("grad_v"), "gs0": Pointer("grad_s"), "v0": Pointer("v"), "s0": Pointer("s"),
@@ -634,12 +635,21 @@ def plan_backward(
     launch = _launch(cat.BACKWARD, module, template, grid, (lanes, rows_y, groups), 0, args)
     if splits == 1:
         return (launch,)
-    # The finishing launch: a warp a row, over its states' LSEs and LSE gradients only.
-    finish_rows = BACKWARD_THREADS // 32
-    finish_grid = (max(1, min(-(-rows // finish_rows), MAX_GRID_X)), 1, 1)
-    finish = _launch(cat.BACKWARD, module, template, finish_grid, (32, finish_rows, 1), 0,
-                     {**args, "lanes": 32, "finish": 1})  # fmt: skip
+    # The finishing launch, over the rows' LSEs and LSE gradients only: the same lanes a row, so
+    # that its merged LSE is the split launch's to the bit; it zeroes what no ragged token owns.
+    finish_rows = BACKWARD_THREADS // lanes
+    finish_blocks = -(-rows // finish_rows)
+    if ragged:
+        finish_blocks = max(finish_blocks, _zeroing_blocks(num_states * num_heads, finish_rows))
+    finish_grid = (max(1, min(finish_blocks, MAX_GRID_X)), 1, 1)
+    finish = _launch(cat.BACKWARD, module, template, finish_grid, (lanes, finish_rows, 1), 0, {**args, "finish": 1})
     return launch, finish
+
+
+def _zeroing_blocks(rows: int, thread_rows: int) -> int:
+    """Blocks enough to zero ``rows`` rows of values (a batch's rows times its heads) at
+    ``thread_rows`` rows of threads a block, up to BACKWARD_ZEROING_BLOCKS."""
+    return min(-(-rows // thread_rows), BACKWARD_ZEROING_BLOCKS)
 
 
 def _backward_strides(first: ArraySpec, rest: ArraySpec | None, two_way: bool, ragged: bool, lse: bool):

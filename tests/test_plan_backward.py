@@ -153,12 +153,19 @@ def test_a_ragged_batch_of_no_tokens_still_launches_to_zero_its_rows():
 @pytest.mark.parametrize("tokens, rows", [(2, 300_000), (64, 523), (4096, 33_000)])
 def test_a_ragged_gradient_has_blocks_enough_to_zero_the_rows_no_token_owns(tokens, rows):
     """Rows no token owns are zeroed by a grid-stride loop: few tokens over many rows still get
-    up to BACKWARD_ZEROING_BLOCKS blocks; batches of many tokens keep their tokens' grid."""
-    launch = _plan_of(_MERGE_STATES_VARLEN_BACKWARD, _ragged(rows, tokens))
-    _, rows_y, groups = launch.block  # the zeroing runs over every group's rows of threads
+    up to BACKWARD_ZEROING_BLOCKS blocks; batches of many tokens keep their tokens' grid. A split
+    plan (2 tokens of a mean of 150000 rows) zeroes in its finishing launch, and its split launch
+    keeps the tokens' grid."""
+    planned = _dispatch.plan_for(_MERGE_STATES_VARLEN_BACKWARD, BackwardOptions(), _tuning.DEFAULT,
+                                 _ragged(rows, tokens))  # fmt: skip
+    zeroing = planned.plan[-1]
+    _, rows_y, groups = zeroing.block  # the zeroing runs over every group's rows of threads
     tokens_blocks = -(-tokens * HEADS // rows_y)
     zeroing_blocks = min(-(-rows * HEADS // (rows_y * groups)), _plan.BACKWARD_ZEROING_BLOCKS)
-    assert launch.grid[0] == max(tokens_blocks, zeroing_blocks)
+    assert zeroing.grid[0] == max(tokens_blocks, zeroing_blocks)
+    if len(planned.plan) == 2:
+        split = planned.plan[0]
+        assert split.grid[1] > 1 and split.grid[0] == -(-tokens * HEADS // split.block[1])
 
 
 def test_every_row_kind_the_planner_chooses_is_instantiated():
@@ -176,7 +183,7 @@ def test_every_row_kind_the_planner_chooses_is_instantiated():
 
 def test_rows_too_few_for_groups_alone_split_their_states_over_blocks_then_finish():
     """1024 states of one token, 32 heads: four groups give 2048 threads, so the states split over
-    32 blocks a row (a share of 32 states each), and a second launch, a warp a row, finishes."""
+    32 blocks a row (a share of 32 states each), and a second launch finishes."""
     operands = BackwardOperands(
         None, None,
         view((1024, 1, 32, 128), "bfloat16", ptr=1 << 32), view((1024, 32, 1), "float32", ptr=2 << 32),
@@ -185,9 +192,9 @@ def test_rows_too_few_for_groups_alone_split_their_states_over_blocks_then_finis
     planned = _dispatch.plan_for(_MERGE_STATES_BACKWARD, BackwardOptions(), _tuning.DEFAULT, operands)
     main, finish = planned.plan
     assert main.block == (16, 2, 4) and main.grid == (16, 32, 1)
-    assert finish.kernel == main.kernel and finish.block == (32, 4, 1) and finish.grid == (8, 1, 1)
+    # The same lanes a row (the merged LSE the same to the bit), 8 rows a block.
+    assert finish.kernel == main.kernel and finish.block == (16, 8, 1) and finish.grid == (4, 1, 1)
     assert (arguments(main)["finish"], arguments(finish)["finish"]) == (0, 1)
-    assert arguments(finish)["lanes"] == 32
     unsplit = _tuning.DEFAULT.replace(backward_split_chunks=10**6)
     (launch,) = _dispatch.plan_for(_MERGE_STATES_BACKWARD, BackwardOptions(), unsplit, operands).plan
     assert launch.grid[1] == 1
@@ -204,3 +211,10 @@ def test_splits_keep_the_threads_within_busy_threads(rows, states, ragged, split
     got = _plan.backward_rows(16, rows, states, ragged, _tuning.DEFAULT)
     assert got.splits == splits
     assert rows * got.lanes * got.groups * got.splits <= max(_tuning.DEFAULT.backward_busy_threads, rows * got.lanes)
+
+
+def test_no_tokens_over_a_large_buffer_do_not_split():
+    """A ragged batch of no tokens has no states to split: one launch, its zeroing grid."""
+    (launch,) = _dispatch.plan_for(_MERGE_STATES_VARLEN_BACKWARD, BackwardOptions(), _tuning.DEFAULT,
+                                   _ragged(100_000, tokens=0)).plan  # fmt: skip
+    assert launch.grid == (_plan.BACKWARD_ZEROING_BLOCKS, 1, 1)
