@@ -29,7 +29,7 @@
 // rows of many states keep more of their loads in flight at once. Rows still too few for the GPU
 // split their states over blocks too (gridDim.y splits, a share each): such a launch writes the
 // value gradients and leaves w_i <dV, V_i> in the LSE gradients, and a second launch of the same
-// kernel (finish = 1, one split, the same lanes a row, so that S is the same to the bit) sums
+// kernel (finish = 1, one split, the same block shape, so that S is the same to the bit) sums
 // those into <dV, V>, writes the LSE gradients and the sinks', and zeroes a ragged batch's rows
 // no token owns. PACKS (1 or 2): every
 // row is 1 to PACKS x `lanes` packs (rows of none, head_size 0, and of more than 64 packs take
@@ -48,6 +48,9 @@
 #ifndef MERGE_CHUNK
 #define MERGE_CHUNK 4
 #endif
+#ifndef MERGE_FOLD
+#define MERGE_FOLD 8
+#endif
 
 namespace cupy_merge {
 
@@ -59,6 +62,15 @@ namespace cupy_merge {
 // than 61 and 72 registers (session 12; wider packs spilled there).
 constexpr int kBackwardThreads = 128;
 constexpr int kBackwardSlots = 4;
+// LSEs a lane loads at once while it folds its row's merged LSE (MERGE_FOLD, the tuning's
+// backward_fold; rows of two packs a lane 2: their rows are short, and 8 spilled 56-88 bytes).
+template <int PACKS>
+constexpr int kFold = PACKS == 2 && MERGE_FOLD > 2 ? 2 : MERGE_FOLD;
+// Whether a row's groups share the fold (each its part of the LSEs, then combined through shared
+// memory) or each folds them all: sharing took rows of hundreds of states 2-13 points of the copy
+// higher, but rows of two packs a lane spill with it and measured 1.5-5 points lower (session 14).
+template <int PACKS>
+constexpr bool kShareFold = PACKS != 2;
 template <typename Index, int PACKS, int SHORT, bool RAGGED, typename TIn, int VEC>
 constexpr int kBackwardMinBlocks = sizeof(Index) != 4                                  ? 1
                                    : SHORT == 2 && sizeof(TIn) * VEC <= 16               ? 12
@@ -126,6 +138,12 @@ __device__ void zero_rows(const StatePointers<TIn, Index>& gv_at, const StatePoi
   }
 }
 
+// A group's part of a row's merged LSE: the running maximum, the sum of exp(s - top), any NaN.
+struct GroupFold {
+  float top, total;
+  bool broken;
+};
+
 // Index: the integer type of element offsets (int when the host found that every offset fits:
 // 89 registers a thread with long long offsets held the kernel to 31 % occupancy, session 10).
 // Pointers are __restrict__: the gradients are fresh arrays, so a state's loads may be issued
@@ -162,9 +180,12 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
   // its lanes x kBackwardSlots go through the LSE gradient in memory instead.
   __shared__ float saved_terms[SHORT ? 1 : kBackwardSlots][kBackwardThreads];
   __shared__ float saved_weights[SHORT ? 1 : kBackwardSlots][kBackwardThreads];
-  // Each group's part of its rows' <dV, V>, by (group, row): two sets, alternate rows of the
-  // grid-stride loop, so that one barrier a row suffices (a group may write the next row's part
-  // only after every group has passed this row's barrier, which follows their reads of the last).
+  // Each group's part of its rows' merged LSE (where they share the fold) and <dV, V>, by (group,
+  // row): two sets, alternate rows of the grid-stride loop, so that a barrier after each write
+  // suffices (a group writes a row's part only after every group has passed a barrier of the
+  // previous row, which follows their reads of the row before). Split and finishing launches
+  // pass only the merged LSE's barrier, and use no shared memory where groups fold alone.
+  __shared__ GroupFold group_folds[2][SHORT ? 1 : kBackwardThreads];
   __shared__ float group_dots[2][SHORT ? 1 : kBackwardThreads];
   launch_dependents();
   const int lane = threadIdx.x;
@@ -362,45 +383,71 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     }
 
     // Rows of more states. S first (its loads in flight with the first chunk's): each lane folds
-    // its share of the LSEs (states lane, lane + lanes, ...) into a running maximum and sum,
-    // then the row's lanes combine theirs.
+    // its share of the LSEs (kFold loaded together: a dependent load a state left rows of hundreds
+    // of states waiting on memory, session 14) into a running maximum and sum, then the row's
+    // lanes combine theirs. Where groups share the fold (kShareFold), a lane's share is states
+    // lane + group x lanes, stepping by the row's threads of every group, and the groups then
+    // combine theirs through shared memory; otherwise every group folds all of them.
     float top = negative_infinity(), total = 0.0f;
     bool broken = false;
-    for (Index i = lane; i < count; i += row_lanes) {  // every state of the row, not only the share's
-      const float s = lse_at_index(first + i);
-      broken |= is_nan(s);
-      if (s > top) {
-        total = total * backward_weight(top - s) + 1.0f;
-        top = s;
-      } else if (s != negative_infinity()) {
-        total += backward_weight(s - top);
+    auto fold_in = [&](float other_top, float other_total) {  // (top, total) with another part's
+      const float both = fmaxf(top, other_top);
+      total = (top == negative_infinity() ? 0.0f : total * backward_weight(top - both)) +
+              (other_top == negative_infinity() ? 0.0f : other_total * backward_weight(other_top - both));
+      top = both;
+    };
+    const Index fold_step = static_cast<Index>(kShareFold<PACKS> ? groups : 1) * row_lanes;
+    const Index fold_first = lane + static_cast<Index>(kShareFold<PACKS> ? group : 0) * row_lanes;
+    for (Index i0 = fold_first; i0 < count; i0 += kFold<PACKS> * fold_step) {
+      float s[kFold<PACKS>];
+      float batch_top = negative_infinity();
+#pragma unroll
+      for (int j = 0; j < kFold<PACKS>; ++j) {
+        const Index i = i0 + j * fold_step;
+        const float loaded_s = lse_at_index(first + min(i, count - 1));  // clamped: unconditional loads
+        s[j] = i < count ? loaded_s : negative_infinity();
+        broken |= is_nan(s[j]);
+        batch_top = fmaxf(batch_top, s[j]);
       }
+      if (batch_top == negative_infinity()) continue;  // empty states (or NaNs: broken)
+      float batch_total = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kFold<PACKS>; ++j) {
+        batch_total += s[j] == negative_infinity() ? 0.0f : backward_weight(s[j] - batch_top);
+      }
+      fold_in(batch_top, batch_total);
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {
       if (offset >= row_lanes) continue;
       const float other_top = __shfl_xor_sync(kWarp, top, offset, row_lanes);
       const float other_total = __shfl_xor_sync(kWarp, total, offset, row_lanes);
-      const float both = fmaxf(top, other_top);
-      total = (top == negative_infinity() ? 0.0f : total * backward_weight(top - both)) +
-              (other_top == negative_infinity() ? 0.0f : other_total * backward_weight(other_top - both));
-      top = both;
+      fold_in(other_top, other_total);
     }
-    broken = (__ballot_sync(kWarp, broken) & row_mask) != 0 || bad || is_nan(sink);
-    if constexpr (SINKS) {
-      if (sink != positive_infinity() && sink > top) {
-        total = (top == negative_infinity() ? 0.0f : total * backward_weight(top - sink)) + 1.0f;
-        top = sink;
-      } else if (sink != positive_infinity() && sink != negative_infinity()) {
-        total += backward_weight(sink - top);
+    broken = (__ballot_sync(kWarp, broken) & row_mask) != 0;
+    const int row_parity = parity;  // this row's set of the shared parts (group_folds, group_dots)
+    parity ^= 1;
+    if (kShareFold<PACKS> && groups > 1) {  // uniform across the block
+      if (lane == 0) group_folds[row_parity][group_row] = {top, total, broken};
+      __syncthreads();
+      top = negative_infinity(), total = 0.0f, broken = false;
+      for (int g = 0; g < groups; ++g) {  // every group in the same order: the same S
+        const GroupFold part = group_folds[row_parity][g * blockDim.y + threadIdx.y];
+        fold_in(part.top, part.total);
+        broken |= part.broken;
       }
     }
+    broken = broken || bad || is_nan(sink);
+    if constexpr (SINKS) {
+      if (sink != positive_infinity() && sink != negative_infinity()) fold_in(sink, 1.0f);
+    }
     const float S = merged_lse(top, total);
-    if (finish) {  // after a split launch: every state's w_i <dV, V_i> is in its LSE gradient
+    if (finish) {  // after a split launch: every state's w_i <dV, V_i> is in its LSE gradient (group 0 sums them)
+      const bool mine = valid && group == 0;  // the row's lanes alike
       float part = 0.0f;
-      for (Index i = lane; valid && i < count; i += row_lanes) part += *gs_at.at(first + i);
+      for (Index i = lane; mine && i < count; i += row_lanes) part += *gs_at.at(first + i);
       const float dot_v = row_sum(part, row_lanes);
-      for (Index i = lane; valid && i < count; i += row_lanes) {
+      for (Index i = lane; mine && i < count; i += row_lanes) {
         float* gsi = gs_at.at(first + i);
         *gsi = lse_gradient(broken, weight(broken, S, lse_of(i)), *gsi, dot_v);
       }
@@ -463,11 +510,10 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     }
     if (splitting) continue;  // the LSE gradients and the sinks' are the finishing launch's
     if (groups > 1) {  // uniform across the block
-      if (lane == 0) group_dots[parity][group_row] = dot_v;
+      if (lane == 0) group_dots[row_parity][group_row] = dot_v;
       __syncthreads();
       dot_v = 0.0f;
-      for (int g = 0; g < groups; ++g) dot_v += group_dots[parity][g * blockDim.y + threadIdx.y];
-      parity ^= 1;
+      for (int g = 0; g < groups; ++g) dot_v += group_dots[row_parity][g * blockDim.y + threadIdx.y];
     }
     // ds_i = w_i d_i + w_i (dS - <dV, V>), by the lane that kept state i's share (every state
     // taken: not splitting).

@@ -635,14 +635,14 @@ def plan_backward(
     launch = _launch(cat.BACKWARD, module, template, grid, (lanes, rows_y, groups), 0, args)
     if splits == 1:
         return (launch,)
-    # The finishing launch, over the rows' LSEs and LSE gradients only: the same lanes a row, so
-    # that its merged LSE is the split launch's to the bit; it zeroes what no ragged token owns.
-    finish_rows = BACKWARD_THREADS // lanes
-    finish_blocks = -(-rows // finish_rows)
+    # The finishing launch, over the rows' LSEs and LSE gradients only: the same block shape (its
+    # groups fold the merged LSE as the split launch's did, to the bit); it zeroes what no ragged
+    # token owns.
+    finish_blocks = -(-rows // rows_y)
     if ragged:
-        finish_blocks = max(finish_blocks, _zeroing_blocks(num_states * num_heads, finish_rows))
+        finish_blocks = max(finish_blocks, _zeroing_blocks(num_states * num_heads, rows_y * groups))
     finish_grid = (max(1, min(finish_blocks, MAX_GRID_X)), 1, 1)
-    finish = _launch(cat.BACKWARD, module, template, finish_grid, (lanes, finish_rows, 1), 0, {**args, "finish": 1})
+    finish = _launch(cat.BACKWARD, module, template, finish_grid, (lanes, rows_y, groups), 0, {**args, "finish": 1})
     return launch, finish
 
 

@@ -71,6 +71,9 @@ class Tuning:
     #: states of one token 7 -> 13 % of the copy, 256 x 8 34 -> 40 %; a share of one chunk (1)
     #: measured the same.
     backward_split_chunks: int = 2
+    #: Gradients: LSEs a lane loads at once while it folds its row's merged LSE (MERGE_FOLD). One
+    #: (a dependent load a state) left rows of hundreds of states waiting on memory (session 14).
+    backward_fold: int = 8
     #: Programmatic dependent launch on sm_90 and newer: a merge's blocks start while the kernel
     #: before it drains, and wait for its results before their first load. Off by default: in a
     #: CUDA-graph chain (producer, merge, consumer) it saved nothing measurable (within +-1 us at
@@ -88,7 +91,7 @@ class Tuning:
     @property
     def compile_options(self) -> tuple[str, ...]:
         """The NVRTC options every module of this tuning is compiled with."""
-        return ("-std=c++17", f"-DMERGE_CHUNK={self.merge_chunk}")
+        return ("-std=c++17", f"-DMERGE_CHUNK={self.merge_chunk}", f"-DMERGE_FOLD={self.backward_fold}")
 
     def replace(self, **changes: object) -> Tuning:
         """A copy with some fields changed, e.g. ``DEFAULT.replace(packed_kernels=False)``."""

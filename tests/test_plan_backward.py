@@ -192,8 +192,8 @@ def test_rows_too_few_for_groups_alone_split_their_states_over_blocks_then_finis
     planned = _dispatch.plan_for(_MERGE_STATES_BACKWARD, BackwardOptions(), _tuning.DEFAULT, operands)
     main, finish = planned.plan
     assert main.block == (16, 2, 4) and main.grid == (16, 32, 1)
-    # The same lanes a row (the merged LSE the same to the bit), 8 rows a block.
-    assert finish.kernel == main.kernel and finish.block == (16, 8, 1) and finish.grid == (4, 1, 1)
+    # The same block shape (its groups fold the merged LSE as the split launch's, to the bit).
+    assert finish.kernel == main.kernel and finish.block == main.block and finish.grid == (16, 1, 1)
     assert (arguments(main)["finish"], arguments(finish)["finish"]) == (0, 1)
     unsplit = _tuning.DEFAULT.replace(backward_split_chunks=10**6)
     (launch,) = _dispatch.plan_for(_MERGE_STATES_BACKWARD, BackwardOptions(), unsplit, operands).plan

@@ -6,7 +6,9 @@ from cupy_merge import _dispatch, _tuning
 from cupy_merge.tools import sweep
 
 
-@pytest.mark.parametrize("variants", [sweep.TWO_VARIANTS, sweep.MANY_VARIANTS], ids=["two", "many"])
+@pytest.mark.parametrize(
+    "variants", [sweep.TWO_VARIANTS, sweep.MANY_VARIANTS, sweep.BACKWARD_VARIANTS], ids=["two", "many", "backward"]
+)
 def test_every_variant_is_a_tuning_of_real_fields(variants):
     for settings in variants.values():
         tuning = sweep.tuning_of(settings)
@@ -31,3 +33,9 @@ def test_calls_planned_under_another_tuning_are_cached_apart():
 def test_use_refuses_what_is_not_a_tuning():
     with pytest.raises(TypeError, match="^tuning: expected"), _tuning.use({"packed_kernels": False}):  # type: ignore[arg-type]
         pass
+
+
+def test_the_sweep_refuses_a_variant_its_family_lacks(capsys):
+    with pytest.raises(SystemExit) as refused:
+        sweep.main(["--family", "backward", "--variants", "default,chunk8"])
+    assert refused.value.code == 2 and "--variants: chunk8 not among" in capsys.readouterr().err

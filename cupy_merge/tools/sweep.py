@@ -77,6 +77,8 @@ BACKWARD_VARIANTS = {
     "busy2x": {"backward_busy_threads": 2 * _tuning.DEFAULT.backward_busy_threads},
     "busy4x": {"backward_busy_threads": 4 * _tuning.DEFAULT.backward_busy_threads},
     "two-packs": {"backward_two_pack_rows": 0},
+    "fold1": {"backward_fold": 1},  # a dependent load a state, as session 13's fold
+    "fold4": {"backward_fold": 4},
 }
 
 
@@ -131,7 +133,7 @@ def _states(rng, states: int, tokens: int, heads: int, head_size: int):
     return v, s, indptr, label
 
 
-def sweep_two(rng) -> list:
+def sweep_two(rng, variants: dict = TWO_VARIANTS) -> list:
     rows = []
     for tokens, heads, head_size, dtype in TWO_CASES:
         v_a, v_b = (cupy.asarray(rng.standard_normal((tokens, heads, head_size), dtype=numpy.float32)).astype(_dtype(dtype))
@@ -144,31 +146,31 @@ def sweep_two(rng) -> list:
         run = lambda v_a=v_a, s_a=s_a, v_b=v_b, s_b=s_b, out=out, out_lse=out_lse: merge_state(
             v_a, s_a, v_b, s_b, out=out, out_lse=out_lse
         )
-        rows.append(_row(f"{tokens}x{heads}x{head_size} {dtype}", nbytes, run, TWO_VARIANTS))
+        rows.append(_row(f"{tokens}x{heads}x{head_size} {dtype}", nbytes, run, variants))
         print(".", end="", file=sys.stderr, flush=True)
     return rows
 
 
-def sweep_many(rng) -> list:
+def sweep_many(rng, variants: dict = MANY_VARIANTS) -> list:
     rows = []
     for states, tokens, heads, head_size in MANY_CASES:
         v, s, indptr, label = _states(rng, states, tokens, heads, head_size)
         out = cupy.empty((tokens, heads, head_size), dtype=v.dtype)
         out_lse = cupy.empty((heads, tokens), dtype=cupy.float32)
         nbytes = v.nbytes + s.nbytes + out.nbytes + out_lse.nbytes
-        rows.append(_row(label, nbytes, _many_run(v, s, indptr, out, out_lse), MANY_VARIANTS))
+        rows.append(_row(label, nbytes, _many_run(v, s, indptr, out, out_lse), variants))
         print(".", end="", file=sys.stderr, flush=True)
     return rows
 
 
-def sweep_backward(rng) -> list:
+def sweep_backward(rng, variants: dict = BACKWARD_VARIANTS) -> list:
     rows = []
     for states, tokens, heads, head_size in BACKWARD_CASES:
         v, s, indptr, label = _states(rng, states, tokens, heads, head_size)
         grad = cupy.asarray(rng.standard_normal((tokens, heads, head_size), dtype=numpy.float32)).astype(v.dtype)
         grad_s = cupy.asarray(rng.standard_normal((heads, tokens), dtype=numpy.float32))
         nbytes = 2 * (v.nbytes + s.nbytes) + grad.nbytes + grad_s.nbytes
-        rows.append(_row(label, nbytes, _backward_run(v, s, indptr, grad, grad_s), BACKWARD_VARIANTS))
+        rows.append(_row(label, nbytes, _backward_run(v, s, indptr, grad, grad_s), variants))
         print(".", end="", file=sys.stderr, flush=True)
     return rows
 
@@ -199,20 +201,31 @@ def main(argv=None) -> int:
         prog="python -m cupy_merge.tools.sweep", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--family", choices=["two", "many", "backward", "all"], default="all")
+    parser.add_argument("--variants", help="comma-separated variants to run, the first the reference (default: all)")
     args = parser.parse_args(argv)
+    chosen = args.variants.split(",") if args.variants else None
+    families: dict[str, dict] = {"two": TWO_VARIANTS, "many": MANY_VARIANTS, "backward": BACKWARD_VARIANTS}
+    known = families.get(args.family)
+    if chosen and known is not None and set(chosen) - set(known):
+        unknown = ", ".join(sorted(set(chosen) - set(known)))
+        parser.error(f"--variants: {unknown} not among {', '.join(known)}")
     if not cupy.cuda.is_available():
         print("no CUDA device: nothing to sweep")
         return 0
     rng = numpy.random.default_rng()
+
+    def picked(variants: dict) -> dict:
+        return {name: variants[name] for name in chosen if name in variants} if chosen else variants
+
     if args.family in ("two", "all"):
-        print(_table("two-way, % of same-bytes copy", sweep_two(rng), TWO_VARIANTS), flush=True)
+        variants = picked(TWO_VARIANTS)
+        print(_table("two-way, % of same-bytes copy", sweep_two(rng, variants), variants), flush=True)
     if args.family in ("many", "all"):
-        print(
-            _table("N-way and ragged (bf16), % of same-bytes copy", sweep_many(rng), MANY_VARIANTS),
-            flush=True,
-        )
+        variants = picked(MANY_VARIANTS)
+        print(_table("N-way and ragged (bf16), % of same-bytes copy", sweep_many(rng, variants), variants), flush=True)
     if args.family in ("backward", "all"):
-        print(_table("gradients (bf16), % of same-bytes copy", sweep_backward(rng), BACKWARD_VARIANTS), flush=True)
+        variants = picked(BACKWARD_VARIANTS)
+        print(_table("gradients (bf16), % of same-bytes copy", sweep_backward(rng, variants), variants), flush=True)
     return 0
 
 
