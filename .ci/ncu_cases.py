@@ -1,4 +1,4 @@
-"""One launch of each case PERF.md's session 12 profiled, each inside an NVTX range `measure`, for
+"""One launch of each case PERF.md's sessions 12 and 14 profiled, each inside an NVTX range `measure`, for
 Nsight Compute (warm-up launches first, outside the range). FlashInfer's kernels join when
 `.anchors/` was carried (they are built with nvcc, as .anchors/bench_vs_flashinfer.py builds them).
 
@@ -64,7 +64,7 @@ def forward_cases(fi) -> dict:
     cases = {}
     stream = lambda: ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     P, U = ctypes.c_void_p, ctypes.c_uint
-    for states, tokens in ((16, 64), (16, 1)):
+    for states, tokens in ((16, 64), (16, 1), (8, 8192)):
         v, s = randn(states, tokens, HEADS, HEAD_SIZE), randn(states, HEADS, tokens, dtype=torch.float32)
         cases[f"n-way T={tokens} S={states}"] = lambda v=v, s=s: cm.merge_states(v, s)
         if fi is not None:
