@@ -51,6 +51,9 @@
 #ifndef MERGE_FOLD
 #define MERGE_FOLD 8
 #endif
+#ifndef MERGE_PREFETCH
+#define MERGE_PREFETCH 1
+#endif
 
 namespace cupy_merge {
 
@@ -85,6 +88,13 @@ __device__ __forceinline__ float backward_weight(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * kLog2E));
   return y;
+}
+
+// Asks L2 for the line holding `address` (no register waits on it). Rows that are not short
+// prefetch their next chunk as they load one (MERGE_PREFETCH, the tuning's backward_prefetch):
+// they were latency-bound at the occupancy their registers allow (session 14, ncu).
+__device__ __forceinline__ void prefetch_l2(const void* address) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(address));
 }
 
 // Every lane of a warp runs every shuffle (the rows of a warp loop to the warp's largest count):
@@ -343,6 +353,18 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
         lse[j] = i0 + j < taken ? s : negative_infinity();
 #pragma unroll
         for (int q = 0; q < kHeld; ++q) x[j][q] = v_pack(i0 + j, q);
+      }
+      if constexpr (MERGE_PREFETCH && SHORT == 0) {
+        const Index next = i0 + groups * kChunk;  // the group's next chunk
+        if (next < loop_count) {  // uniform across the warp
+#pragma unroll
+          for (int j = 0; j < kChunk; ++j) {
+#pragma unroll
+            for (int q = 0; q < kHeld; ++q) {
+              prefetch_l2(reinterpret_cast<const InPack*>(v_at.at(loaded(next + j))) + pack[q]);
+            }
+          }
+        }
       }
     };
     const Index first_chunk = static_cast<Index>(group) * kSpan;  // 0 for short rows (one group)

@@ -74,6 +74,9 @@ class Tuning:
     #: Gradients: LSEs a lane loads at once while it folds its row's merged LSE (MERGE_FOLD). One
     #: (a dependent load a state) left rows of hundreds of states waiting on memory (session 14).
     backward_fold: int = 8
+    #: Gradients: rows that are not short ask L2 for their next chunk of states as they load one
+    #: (MERGE_PREFETCH): they wait on memory at the occupancy their registers allow (session 14).
+    backward_prefetch: bool = True
     #: Programmatic dependent launch on sm_90 and newer: a merge's blocks start while the kernel
     #: before it drains, and wait for its results before their first load. Off by default: in a
     #: CUDA-graph chain (producer, merge, consumer) it saved nothing measurable (within +-1 us at
@@ -91,7 +94,12 @@ class Tuning:
     @property
     def compile_options(self) -> tuple[str, ...]:
         """The NVRTC options every module of this tuning is compiled with."""
-        return ("-std=c++17", f"-DMERGE_CHUNK={self.merge_chunk}", f"-DMERGE_FOLD={self.backward_fold}")
+        return (
+            "-std=c++17",
+            f"-DMERGE_CHUNK={self.merge_chunk}",
+            f"-DMERGE_FOLD={self.backward_fold}",
+            f"-DMERGE_PREFETCH={int(self.backward_prefetch)}",
+        )
 
     def replace(self, **changes: object) -> Tuning:
         """A copy with some fields changed, e.g. ``DEFAULT.replace(packed_kernels=False)``."""

@@ -79,6 +79,7 @@ BACKWARD_VARIANTS = {
     "two-packs": {"backward_two_pack_rows": 0},
     "fold1": {"backward_fold": 1},  # a dependent load a state, as session 13's fold
     "fold4": {"backward_fold": 4},
+    "no-prefetch": {"backward_prefetch": False},
 }
 
 
