@@ -537,7 +537,7 @@ def backward_rows(packs: int, rows: int, row_states: int, ragged: bool, tuning: 
     if not ragged and 1 <= row_states <= 4 and packs <= 32:
         return BackwardRows(1, 2 if row_states == 2 else 4, _lanes(packs, 1))
     held = 0 if packs > 64 else 2 if packs > 32 else 1
-    if held == 1 and packs > 1 and tuning.backward_two_packs:
+    if held == 1 and packs > 1:
         lanes, chunks = _lanes(packs, 2), -(-row_states // _span(2, ragged, tuning))
         busy = rows * lanes * min(chunks, tuning.backward_groups, BACKWARD_MAX_GROUPS)
         held = 2 if rows >= tuning.backward_two_pack_rows or busy >= tuning.backward_busy_threads else 1

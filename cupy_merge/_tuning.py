@@ -58,8 +58,6 @@ class Tuning:
     #: fewer blocks leave multiprocessors idle: 2048 rows reached 59 % of the copy with one pack a
     #: lane and 53 % with two; 16384-32768 rows 69-72 % with one and 75-81 % with two (session 12).
     backward_two_pack_rows: int = 8192
-    #: False: rows of up to 32 packs always hold one pack a lane (the sweep's `one-pack`).
-    backward_two_packs: bool = True
     #: Gradients: the most groups of threads a row's states are split over (1, 2 or 4), one chunk
     #: of states a group at a time, where a row has chunks enough and the rows alone give fewer
     #: than backward_busy_threads threads (about a wave at two packs a lane: 4 blocks of 128 on

@@ -77,7 +77,6 @@ BACKWARD_VARIANTS = {
     "busy2x": {"backward_busy_threads": 2 * _tuning.DEFAULT.backward_busy_threads},
     "busy4x": {"backward_busy_threads": 4 * _tuning.DEFAULT.backward_busy_threads},
     "two-packs": {"backward_two_pack_rows": 0},
-    "one-pack": {"backward_two_packs": False},
     "fold1": {"backward_fold": 1},  # a dependent load a state, as session 13's fold
     "fold4": {"backward_fold": 4},
     "no-prefetch": {"backward_prefetch": False},
