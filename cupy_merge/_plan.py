@@ -592,10 +592,13 @@ def plan_backward(
     row_states = (-(-num_states // num_tokens) if num_tokens else 0) if ragged else num_states
     held, short, lanes, groups, splits = backward_rows(head_size // vec, rows, row_states, ragged, tuning)
     rows_y = BACKWARD_THREADS // (lanes * groups)
-    blocks = -(-rows // rows_y)
-    if ragged and splits == 1:  # rows no token owns may be any of the batch's (split: the finish's)
-        blocks = max(blocks, _zeroing_blocks(num_states * num_heads, rows_y * groups))
-    grid = (max(1, min(blocks, MAX_GRID_X)), splits, 1)
+    block = (lanes, rows_y, groups)
+    token_blocks = -(-rows // rows_y)
+    # Rows no ragged token owns may be any of the batch's: the launch that zeroes them (the only
+    # one, or a split plan's finishing launch) takes blocks enough for them too.
+    zeroing_blocks = token_blocks
+    if ragged:
+        zeroing_blocks = max(token_blocks, _zeroing_blocks(num_states * num_heads, rows_y * groups))
     args: dict[str, Any] = {
         "gv0": Pointer("grad_v"), "gs0": Pointer("grad_s"), "v0": Pointer("v"), "s0": Pointer("s"),
         "grad_out": Pointer("grad_out"), "grad_lse": _pointer(specs, "grad_lse"),
@@ -632,18 +635,19 @@ def plan_backward(
         args.update({"head_multiplier": 0, "head_shift": 0})
     template = {"TIn": state.dtype, "TOut": grad_out.dtype, "VEC": vec, "PACKS": held, "SHORT": short,
                 "RAGGED": ragged, "SINKS": specs.sinks is not None, "Index": index}  # fmt: skip
-    launch = _launch(cat.BACKWARD, module, template, grid, (lanes, rows_y, groups), 0, args)
     if splits == 1:
-        return (launch,)
+        return (_launch(cat.BACKWARD, module, template, (_grid_x(zeroing_blocks), 1, 1), block, 0, args),)
+    split = _launch(cat.BACKWARD, module, template, (_grid_x(token_blocks), splits, 1), block, 0, args)
     # The finishing launch, over the rows' LSEs and LSE gradients only: the same block shape (its
-    # groups fold the merged LSE as the split launch's did, to the bit); it zeroes what no ragged
-    # token owns.
-    finish_blocks = -(-rows // rows_y)
-    if ragged:
-        finish_blocks = max(finish_blocks, _zeroing_blocks(num_states * num_heads, rows_y * groups))
-    finish_grid = (max(1, min(finish_blocks, MAX_GRID_X)), 1, 1)
-    finish = _launch(cat.BACKWARD, module, template, finish_grid, (lanes, rows_y, groups), 0, {**args, "finish": 1})
-    return launch, finish
+    # groups fold the merged LSE as the split launch's did, to the bit).
+    finish_args = {**args, "finish": 1}
+    finish = _launch(cat.BACKWARD, module, template, (_grid_x(zeroing_blocks), 1, 1), block, 0, finish_args)
+    return split, finish
+
+
+def _grid_x(blocks: int) -> int:
+    """A grid's first dimension for ``blocks`` blocks: at least 1, at most CUDA's limit."""
+    return max(1, min(blocks, MAX_GRID_X))
 
 
 def _zeroing_blocks(rows: int, thread_rows: int) -> int:
