@@ -153,25 +153,31 @@ def sweep_two(rng, variants: dict = TWO_VARIANTS) -> list:
 
 
 def sweep_many(rng, variants: dict = MANY_VARIANTS) -> list:
-    rows = []
-    for states, tokens, heads, head_size in MANY_CASES:
-        v, s, indptr, label = _states(rng, states, tokens, heads, head_size)
+    def setup(v, s, indptr, tokens, heads, head_size):
         out = cupy.empty((tokens, heads, head_size), dtype=v.dtype)
         out_lse = cupy.empty((heads, tokens), dtype=cupy.float32)
-        nbytes = v.nbytes + s.nbytes + out.nbytes + out_lse.nbytes
-        rows.append(_row(label, nbytes, _many_run(v, s, indptr, out, out_lse), variants))
-        print(".", end="", file=sys.stderr, flush=True)
-    return rows
+        return v.nbytes + s.nbytes + out.nbytes + out_lse.nbytes, _many_run(v, s, indptr, out, out_lse)
+
+    return _sweep_states(rng, MANY_CASES, variants, setup)
 
 
 def sweep_backward(rng, variants: dict = BACKWARD_VARIANTS) -> list:
-    rows = []
-    for states, tokens, heads, head_size in BACKWARD_CASES:
-        v, s, indptr, label = _states(rng, states, tokens, heads, head_size)
+    def setup(v, s, indptr, tokens, heads, head_size):
         grad = cupy.asarray(rng.standard_normal((tokens, heads, head_size), dtype=numpy.float32)).astype(v.dtype)
         grad_s = cupy.asarray(rng.standard_normal((heads, tokens), dtype=numpy.float32))
-        nbytes = 2 * (v.nbytes + s.nbytes) + grad.nbytes + grad_s.nbytes
-        rows.append(_row(label, nbytes, _backward_run(v, s, indptr, grad, grad_s), variants))
+        return 2 * (v.nbytes + s.nbytes) + grad.nbytes + grad_s.nbytes, _backward_run(v, s, indptr, grad, grad_s)
+
+    return _sweep_states(rng, BACKWARD_CASES, variants, setup)
+
+
+def _sweep_states(rng, cases: list, variants: dict, setup) -> list:
+    """A row a case of (states, tokens, heads, head_size) (states < 0: ragged); ``setup(v, s,
+    indptr, tokens, heads, head_size)`` gives the bytes the call moves and the call."""
+    rows = []
+    for states, tokens, heads, head_size in cases:
+        v, s, indptr, label = _states(rng, states, tokens, heads, head_size)
+        nbytes, run = setup(v, s, indptr, tokens, heads, head_size)
+        rows.append(_row(label, nbytes, run, variants))
         print(".", end="", file=sys.stderr, flush=True)
     return rows
 
