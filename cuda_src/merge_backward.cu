@@ -40,10 +40,8 @@
 // Session 11 (docs/PERF.md): the kernel was issue- and latency-bound, not memory-bound. Its
 // loads are unconditional (addresses clamped into the arrays, results of states past a row's
 // count unused), so that no value is zeroed or selected element by element.
-#include "conversions.cuh"
-#include "packs.cuh"
+#include "backward.cuh"
 #include "grid.cuh"
-#include "ragged.cuh"
 
 #ifndef MERGE_CHUNK
 #define MERGE_CHUNK 4
@@ -57,13 +55,12 @@
 
 namespace cupy_merge {
 
-// Threads of a block (the planner's BACKWARD_THREADS), and the states a lane keeps in shared memory.
+// The states a lane keeps in shared memory.
 // With 32-bit offsets the kernel is held to 5 blocks' registers (the ragged rows took 102, which
 // left room for 4; 64-bit offsets would spill); rows of two packs a lane to 4 where 5 spilled
 // (dense: 280 bytes; ragged rows of 32-byte packs); short rows of 16-byte packs to 12 (2 states:
 // 40 registers) and 8 (4 states: 56), which measured 2-5 points of the copy faster from 43 MB
 // than 61 and 72 registers (session 12; wider packs spilled there).
-constexpr int kBackwardThreads = 128;
 constexpr int kBackwardSlots = 4;
 // LSEs a lane loads at once while it folds its row's merged LSE (MERGE_FOLD, the tuning's
 // backward_fold; rows of two packs a lane 2: their rows are short, and 8 spilled 56-88 bytes).
@@ -81,71 +78,11 @@ constexpr int kBackwardMinBlocks = sizeof(Index) != 4                           
                                    : PACKS == 2 && (!RAGGED || sizeof(TIn) * VEC > 16) ? 4
                                                                                          : 5;
 
-// exp(x) for a weight, as ex2.approx.ftz: weights below 2^-126 of the largest state's add
-// nothing a float32 sum keeps, and the flush saves the denormal fix-up (four instructions)
-// around every exponential.
-__device__ __forceinline__ float backward_weight(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * kLog2E));
-  return y;
-}
-
 // Asks L2 for the line holding `address` (no register waits on it). Rows that are not short
 // prefetch their next chunk as they load one (MERGE_PREFETCH, the tuning's backward_prefetch):
 // they were latency-bound at the occupancy their registers allow (session 14, ncu).
 __device__ __forceinline__ void prefetch_l2(const void* address) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(address));
-}
-
-// Every lane of a warp runs every shuffle (the rows of a warp loop to the warp's largest count):
-// with a mask known at compile time a shuffle is one instruction, with a row's own mask ptxas
-// wraps each in a dozen to make it safe under divergence (session 11, SASS).
-constexpr unsigned kWarp = 0xffffffffu;
-
-// The sum of `x` over the `lanes` threads of a row (consecutive lanes of one warp).
-__device__ __forceinline__ float row_sum(float x, int lanes) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const float other = __shfl_xor_sync(kWarp, x, offset, lanes);  // unconditional: no branch a level
-    if (offset < lanes) x += other;
-  }
-  return x;
-}
-
-// The largest `count` of a warp's rows.
-template <typename Index>
-__device__ __forceinline__ Index warp_max(Index count) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) count = max(count, static_cast<Index>(__shfl_xor_sync(kWarp, count, offset)));
-  return count;
-}
-
-// Where a row's states of one array are (token and head already applied): state 0 at `first`,
-// state i >= 1 at `rest + (i - 1) stride`. Offsets are multiplied in Index: the host checked that
-// every offset fits.
-template <typename T, typename Index>
-struct StatePointers {
-  T* first;
-  T* rest;
-  Index stride;
-  static __device__ __forceinline__ StatePointers of(T* p0, T* p1, Index token, Index head, long long first_token,
-                                                     long long first_head, long long rest_token, long long rest_head,
-                                                     long long stride_state) {
-    return {p0 + (token * static_cast<Index>(first_token) + head * static_cast<Index>(first_head)),
-            p1 + (token * static_cast<Index>(rest_token) + head * static_cast<Index>(rest_head)),
-            static_cast<Index>(stride_state)};
-  }
-  __device__ __forceinline__ T* at(Index i) const { return i == 0 ? first : rest + (i - 1) * stride; }
-};
-
-// Rows [from, to) of one head's gradients zeroed, by the `lanes` threads of a row.
-template <int VEC, typename TIn, typename Index>
-__device__ void zero_rows(const StatePointers<TIn, Index>& gv_at, const StatePointers<float, Index>& gs_at, Index from,
-                          Index to, int lane, int lanes, Index packs, Index step = 1) {
-  for (Index r = from; r < to; r += step) {
-    for (Index p = lane; p < packs; p += lanes) store_pack(reinterpret_cast<Pack<TIn, VEC>*>(gv_at.at(r)) + p, {});
-    if (lane == 0) *gs_at.at(r) = 0.0f;
-  }
 }
 
 // A group's part of a row's merged LSE: the running maximum, the sum of exp(s - top), any NaN.
@@ -298,24 +235,13 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
       }
     }
     const float sink = sink_logit<SINKS>(sinks, static_cast<int>(sinks_stride), head);
-    // w_i dV as TIn, and this lane's part of <dV, V_i>.
-    auto state_gradient = [&](float w, const InPack& x, const float (&d)[VEC], float& partial) {
-      InPack g;
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        partial = fmaf(d[k], to_float(x.v[k]), partial);
-        g.v[k] = from_float<TIn>(w * d[k]);
-      }
-      if (w == 0.0f) g = InPack{};  // a zero-weight state's gradient is zero even where dV is not finite
-      return g;
-    };
     // PACKS: state i's value gradients from its packs as held, and this lane's part of <dV, V_i>.
     auto held_state_gradients = [&](Index i, float w, const InPack (&xi)[kHeld]) {
       float partial = 0.0f;
 #pragma unroll
       for (int q = 0; q < kHeld; ++q) {
         float part = 0.0f;
-        const InPack g = state_gradient(w, xi[q], dV[q], part);
+        const InPack g = state_gradient<TIn, VEC>(w, xi[q], dV[q], part);
         partial += has_pack[q] ? part : 0.0f;  // a pack past the row's is its first: 0 x inf would be NaN
         if (valid && i < taken && has_pack[q]) store_pack(reinterpret_cast<InPack*>(gv_at.at(from + i)) + pack[q], g);
       }
@@ -517,18 +443,15 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
           float d[VEC];
 #pragma unroll
           for (int k = 0; k < VEC; ++k) d[k] = to_float(dv.v[k]);
-          const InPack g = state_gradient(w, load_pack(vi + p), d, partial);
+          const InPack g = state_gradient<TIn, VEC>(w, load_pack(vi + p), d, partial);
           if (valid) store_pack(reinterpret_cast<InPack*>(gv_at.at(from + i)) + p, g);
         }
         finish_state(i, nth, w, partial);
       }
     }
-    if (RAGGED && valid && bad && split == 0) {  // no token may own the rows between its offsets: zeros, not stale memory
-      const long long begin = indptr_entry(indptr, indptr_bytes, indptr_stride, token);
-      const long long end = indptr_entry(indptr, indptr_bytes, indptr_stride, token + 1);
-      const auto clamped = [&](long long r) { return static_cast<Index>(min(max(r, 0ll), num_states)); };
-      zero_rows<VEC>(gv_at, gs_at, clamped(min(begin, end)) + static_cast<Index>(group), clamped(max(begin, end)), lane,
-                     row_lanes, packs, static_cast<Index>(groups));
+    if (RAGGED && valid && bad && split == 0) {  // no token may own the rows between its offsets
+      zero_bad_token_rows<VEC>(gv_at, gs_at, indptr, indptr_bytes, indptr_stride, token, num_states, lane, row_lanes,
+                               packs, static_cast<Index>(group), static_cast<Index>(groups));
     }
     if (splitting) continue;  // the LSE gradients and the sinks' are the finishing launch's
     if (groups > 1) {  // uniform across the block
@@ -551,23 +474,11 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     add_sink_gradient(broken, S, dot_v);
   }
   if (RAGGED && !splitting) {  // a split launch leaves this to its finishing launch
-    // The rows before indptr[0] and from indptr[num_tokens] on belong to no token: zero (the
-    // gradients are not allocated as zeros: that cost a pass over them, session 12). Row-major
-    // over the grid's rows of threads, so neighbouring rows of threads write neighbouring memory.
-    const long long lead = min(max(indptr_entry(indptr, indptr_bytes, indptr_stride, 0), 0ll), num_states);
-    const long long trail = min(max(indptr_entry(indptr, indptr_bytes, indptr_stride, num_tokens), lead), num_states);
-    const Index unowned = static_cast<Index>(lead + num_states - trail);
     const Index block_rows = static_cast<Index>(blockDim.y * blockDim.z);  // rows of threads, every group's
-    for (Index q = static_cast<Index>(blockIdx.x) * block_rows + group_row; q < unowned * heads;
-         q += static_cast<Index>(gridDim.x) * block_rows) {
-      const Index r = q / heads, head = q - r * heads;
-      const Index row = r < lead ? r : static_cast<Index>(trail) + (r - static_cast<Index>(lead));
-      const auto gv_at = StatePointers<TIn, Index>::of(gv0, gv1, 0, head, gv0_stride_token, gv0_stride_head,
-                                                       gv1_stride_token, gv1_stride_head, gv_stride_state);
-      const auto gs_at = StatePointers<float, Index>::of(gs0, gs1, 0, head, gs0_stride_token, gs0_stride_head,
-                                                         gs1_stride_token, gs1_stride_head, gs_stride_state);
-      zero_rows<VEC>(gv_at, gs_at, row, row + 1, lane, row_lanes, packs);
-    }
+    zero_unowned_rows<VEC, TIn, Index>(gv0, gv1, gs0, gs1, indptr, indptr_bytes, indptr_stride, num_states, num_tokens, heads,
+                           packs, gv0_stride_head, gv1_stride_head, gv_stride_state, gs0_stride_head, gs1_stride_head,
+                           gs_stride_state, static_cast<Index>(blockIdx.x) * block_rows + group_row,
+                           static_cast<Index>(gridDim.x) * block_rows, lane, row_lanes);
   }
 }
 

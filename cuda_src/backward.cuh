@@ -1,0 +1,125 @@
+// What the two gradient kernels share (merge_backward.cu, merge_backward_from_output.cu): the
+// block size, the weights, a row's sums, where a row's states are, and the zeroing of rows.
+#pragma once
+
+#include "conversions.cuh"
+#include "packs.cuh"
+#include "ragged.cuh"
+
+namespace cupy_merge {
+
+// Threads of a block (the planner's BACKWARD_THREADS).
+constexpr int kBackwardThreads = 128;
+
+// exp(x) for a weight, as ex2.approx.ftz: weights below 2^-126 of the largest state's add
+// nothing a float32 sum keeps, and the flush saves the denormal fix-up (four instructions)
+// around every exponential.
+__device__ __forceinline__ float backward_weight(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * kLog2E));
+  return y;
+}
+
+// Every lane of a warp runs every shuffle (the rows of a warp loop to the warp's largest count):
+// with a mask known at compile time a shuffle is one instruction, with a row's own mask ptxas
+// wraps each in a dozen to make it safe under divergence (session 11, SASS).
+constexpr unsigned kWarp = 0xffffffffu;
+
+// The sum of `x` over the `lanes` threads of a row (consecutive lanes of one warp).
+__device__ __forceinline__ float row_sum(float x, int lanes) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float other = __shfl_xor_sync(kWarp, x, offset, lanes);  // unconditional: no branch a level
+    if (offset < lanes) x += other;
+  }
+  return x;
+}
+
+// The largest `count` of a warp's rows.
+template <typename Index>
+__device__ __forceinline__ Index warp_max(Index count) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) count = max(count, static_cast<Index>(__shfl_xor_sync(kWarp, count, offset)));
+  return count;
+}
+
+// Where a row's states of one array are (token and head already applied): state 0 at `first`,
+// state i >= 1 at `rest + (i - 1) stride`. Offsets are multiplied in Index: the host checked that
+// every offset fits.
+template <typename T, typename Index>
+struct StatePointers {
+  T* first;
+  T* rest;
+  Index stride;
+  static __device__ __forceinline__ StatePointers of(T* p0, T* p1, Index token, Index head, long long first_token,
+                                                     long long first_head, long long rest_token, long long rest_head,
+                                                     long long stride_state) {
+    return {p0 + (token * static_cast<Index>(first_token) + head * static_cast<Index>(first_head)),
+            p1 + (token * static_cast<Index>(rest_token) + head * static_cast<Index>(rest_head)),
+            static_cast<Index>(stride_state)};
+  }
+  __device__ __forceinline__ T* at(Index i) const { return i == 0 ? first : rest + (i - 1) * stride; }
+};
+
+// w dV as TIn, and `partial` += this lane's part of <dV, V_i> over one pack.
+template <typename TIn, int VEC>
+__device__ __forceinline__ Pack<TIn, VEC> state_gradient(float w, const Pack<TIn, VEC>& x, const float (&d)[VEC],
+                                                         float& partial) {
+  Pack<TIn, VEC> g;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    partial = fmaf(d[k], to_float(x.v[k]), partial);
+    g.v[k] = from_float<TIn>(w * d[k]);
+  }
+  if (w == 0.0f) g = Pack<TIn, VEC>{};  // a zero-weight state's gradient is zero even where dV is not finite
+  return g;
+}
+
+// Rows [from, to) of one head's gradients zeroed, by the `lanes` threads of a row.
+template <int VEC, typename TIn, typename Index>
+__device__ void zero_rows(const StatePointers<TIn, Index>& gv_at, const StatePointers<float, Index>& gs_at, Index from,
+                          Index to, int lane, int lanes, Index packs, Index step = 1) {
+  for (Index r = from; r < to; r += step) {
+    for (Index p = lane; p < packs; p += lanes) store_pack(reinterpret_cast<Pack<TIn, VEC>*>(gv_at.at(r)) + p, {});
+    if (lane == 0) *gs_at.at(r) = 0.0f;
+  }
+}
+
+// The rows of a ragged batch between a bad token's offsets: no token may own them, so zeros, not
+// stale memory (by the `lanes` threads of the token's row of one head, every `step`-th from `skip`).
+template <int VEC, typename TIn, typename Index>
+__device__ void zero_bad_token_rows(const StatePointers<TIn, Index>& gv_at, const StatePointers<float, Index>& gs_at,
+                                    const void* indptr, long long indptr_bytes, long long indptr_stride, Index token,
+                                    long long num_states, int lane, int lanes, Index packs, Index skip, Index step) {
+  const long long begin = indptr_entry(indptr, indptr_bytes, indptr_stride, token);
+  const long long end = indptr_entry(indptr, indptr_bytes, indptr_stride, token + 1);
+  const auto clamped = [&](long long r) { return static_cast<Index>(min(max(r, 0ll), num_states)); };
+  zero_rows<VEC>(gv_at, gs_at, clamped(min(begin, end)) + skip, clamped(max(begin, end)), lane, lanes, packs, step);
+}
+
+// The rows of a ragged batch before indptr[0] and from indptr[num_tokens] on belong to no token:
+// zeroed by the grid's rows of threads (`thread_row` of `thread_rows`), row-major over (row, head),
+// so that neighbouring rows of threads write neighbouring memory. (The gradients are not allocated
+// as zeros: that cost a pass over them, session 12.)
+template <int VEC, typename TIn, typename Index>
+__device__ void zero_unowned_rows(TIn* gv0, TIn* gv1, float* gs0, float* gs1, const void* indptr,
+                                  long long indptr_bytes, long long indptr_stride, long long num_states,
+                                  long long num_tokens, Index heads, Index packs, long long gv0_stride_head,
+                                  long long gv1_stride_head, long long gv_stride_state, long long gs0_stride_head,
+                                  long long gs1_stride_head, long long gs_stride_state, Index thread_row,
+                                  Index thread_rows, int lane, int lanes) {
+  const long long lead = min(max(indptr_entry(indptr, indptr_bytes, indptr_stride, 0), 0ll), num_states);
+  const long long trail = min(max(indptr_entry(indptr, indptr_bytes, indptr_stride, num_tokens), lead), num_states);
+  const Index unowned = static_cast<Index>(lead + num_states - trail);
+  for (Index q = thread_row; q < unowned * heads; q += thread_rows) {
+    const Index r = q / heads, head = q - r * heads;
+    const Index row = r < lead ? r : static_cast<Index>(trail) + (r - static_cast<Index>(lead));
+    const auto gv_at = StatePointers<TIn, Index>::of(gv0, gv1, 0, head, 0, gv0_stride_head, 0, gv1_stride_head,
+                                                     gv_stride_state);
+    const auto gs_at = StatePointers<float, Index>::of(gs0, gs1, 0, head, 0, gs0_stride_head, 0, gs1_stride_head,
+                                                       gs_stride_state);
+    zero_rows<VEC>(gv_at, gs_at, row, row + 1, lane, lanes, packs);
+  }
+}
+
+}  // namespace cupy_merge
