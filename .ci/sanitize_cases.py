@@ -168,6 +168,35 @@ want_v[3:1300], want_s[:, 3:1300] = owned[0], owned[1]
 check("backward ragged split over blocks", got[0], want_v, 1e-5)
 check("backward ragged split over blocks (LSE)", got[1], want_s, 1e-5)
 check("backward ragged split over blocks (sinks)", got[2], owned[2], 1e-5)
+# Given the merge's results: dense rows in one block and split over many (one and two packs a
+# lane, lanes looping over packs), ragged rows with leading and trailing rows no token owns.
+for states, tokens, heads, head_size in ((150, 3, 2, 64), (9, 300, 8, 64), (5, 4, 2, 1024)):
+    v, s = random_states(states, tokens, heads, head_size, lse_shape=(states, heads, tokens))
+    grad = rng.standard_normal((tokens, heads, head_size)).astype(numpy.float32)
+    want = reference.merge_states_backward(v, s, grad, sinks=sinks.get()[:heads])
+    out, out_lse = cm.merge_states(cupy.asarray(v), cupy.asarray(s), sinks=sinks[:heads])
+    for busy_threads, two_pack_rows in ((1, 0), (2**30, 0), (2**30, 2**62)):
+        with _tuning.use(_tuning.DEFAULT.replace(backward_busy_threads=busy_threads, backward_from_output_states=2,
+                                                 backward_from_output_two_pack_rows=two_pack_rows)):  # fmt: skip
+            got = cm.merge_states_backward(cupy.asarray(v), cupy.asarray(s), cupy.asarray(grad), sinks=sinks[:heads],
+                                           out=out, out_lse=out_lse)  # fmt: skip
+        for index, what in enumerate(("", " (LSE)", " (sinks)")):
+            check(f"backward given results {states}x{tokens}x{heads}x{head_size}, {busy_threads} {two_pack_rows}{what}",
+                  got[index], want[index], 1e-5)  # fmt: skip
+indptr = numpy.array([3, 3, 400, 403, 1300, 2000], dtype=numpy.int32)
+rows, rows_s = random_states(1304, 2, 64, lse_shape=(2, 1304))
+grad = rng.standard_normal((5, 2, 64)).astype(numpy.float32)
+offsets = cupy.asarray(indptr)
+out, out_lse = cm.merge_states_varlen(cupy.asarray(rows), cupy.asarray(rows_s), offsets, sinks=sinks[:2],
+                                      check_indptr=False)  # fmt: skip
+got = cm.merge_states_varlen_backward(cupy.asarray(rows), cupy.asarray(rows_s), offsets, cupy.asarray(grad),
+                                      sinks=sinks[:2], out=out, out_lse=out_lse)  # fmt: skip
+owned = reference.merge_states_varlen_backward(rows[3:1300], rows_s[:, 3:1300], indptr[:5] - 3, grad[:4],
+                                               sinks=sinks.get()[:2])  # fmt: skip
+want_v, want_s = numpy.zeros_like(rows), numpy.zeros_like(rows_s)
+want_v[3:1300], want_s[:, 3:1300] = owned[0], owned[1]
+for index, (what, want) in enumerate((("", want_v), (" (LSE)", want_s), (" (sinks)", owned[2]))):
+    check(f"backward ragged given results{what}", got[index], want, 1e-5)
 
 # FP8 group scales with the LSE written in place over rows longer than a block: two launches.
 v_a, v_b = (cupy.asarray(rng.standard_normal((3, 2, 2048)).astype(numpy.float16)) for _ in range(2))

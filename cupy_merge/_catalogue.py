@@ -41,6 +41,7 @@ TWO_STATES_SOURCE = "merge_two_states.cu"
 MANY_STATES_SOURCE = "merge_many_states.cu"
 RANKS_SOURCE = "merge_across_ranks.cu"
 BACKWARD_SOURCE = "merge_backward.cu"
+BACKWARD_FROM_OUTPUT_SOURCE = "merge_backward_from_output.cu"
 
 
 class KernelFamily(NamedTuple):
@@ -193,7 +194,25 @@ BACKWARD = KernelFamily(
     ),
 )  # fmt: skip
 
-FAMILIES = (TWO_STRIDED, TWO_PACKED, MANY_STRIDED, MANY_PACKED, RANK_PACK, RANK_SCALE, BACKWARD)
+#: The gradient given the merge's results (``out``, ``out_lse``): every state's gradients its own.
+BACKWARD_FROM_OUTPUT = KernelFamily(
+    BACKWARD_FROM_OUTPUT_SOURCE,
+    "merge_states_backward_from_output",
+    ("TIn", "TOut", "VEC", "PACKS", "RAGGED", "SINKS", "Index"),
+    (
+        "gv0", "gv1", "gs0", "gs1", "grad_sinks", "v0", "v1", "s0", "s1", "grad_out", "grad_lse", "out", "out_lse",
+        "sinks", "indptr", "indptr_bytes", "indptr_stride", "num_states", "num_tokens", "num_heads", "head_size",
+        "v0_stride_token", "v0_stride_head", "v1_stride_token", "v1_stride_head", "v_stride_state",
+        "gv0_stride_token", "gv0_stride_head", "gv1_stride_token", "gv1_stride_head", "gv_stride_state",
+        "s0_stride_head", "s0_stride_token", "s1_stride_head", "s1_stride_token", "s_stride_state",
+        "gs0_stride_head", "gs0_stride_token", "gs1_stride_head", "gs1_stride_token", "gs_stride_state",
+        "grad_out_stride_token", "grad_out_stride_head", "grad_lse_stride_head", "grad_lse_stride_token",
+        "out_stride_token", "out_stride_head", "out_lse_stride_head", "out_lse_stride_token",
+        "sinks_stride", "lanes", "lse_base_2", "head_multiplier", "head_shift",
+    ),
+)  # fmt: skip
+
+FAMILIES = (TWO_STRIDED, TWO_PACKED, MANY_STRIDED, MANY_PACKED, RANK_PACK, RANK_SCALE, BACKWARD, BACKWARD_FROM_OUTPUT)
 
 #: Elements per vector pack, widest first, by the smaller element size of input
 #: and output: 16-byte packs where shapes and alignment allow.
@@ -247,6 +266,14 @@ def module_instances(module: Module) -> list[str]:
             for held, short, ragged in BACKWARD_ROW_KINDS
             for index in INDEX_TYPES
         ]
+    if module.source == BACKWARD_FROM_OUTPUT_SOURCE:
+        return [
+            BACKWARD_FROM_OUTPUT.instance(TIn=a, TOut=b, VEC=vec, PACKS=held, RAGGED=ragged, SINKS=sinks, Index=index)
+            for vec in vector_widths(a, b)
+            for held in (0, 1, 2)
+            for ragged in (False, True)
+            for index in INDEX_TYPES
+        ]
     if module.source == RANKS_SOURCE:
         return [
             family.instance(T=a, VEC=vec)
@@ -292,7 +319,12 @@ def all_modules(options: tuple[str, ...] = DEFAULT_COMPILE_OPTIONS, sinks: bool 
             for a in VALUE_CTYPES
             for b in OUTPUT_CTYPES
         ]
-        + [Module(BACKWARD_SOURCE, a, b, sinks, options) for a in VALUE_CTYPES for b in VALUE_CTYPES]
+        + [
+            Module(source, a, b, sinks, options)
+            for source in (BACKWARD_SOURCE, BACKWARD_FROM_OUTPUT_SOURCE)
+            for a in VALUE_CTYPES
+            for b in VALUE_CTYPES
+        ]
         + ([] if sinks else [Module(RANKS_SOURCE, a, a, False, options) for a in VALUE_CTYPES])
     )
 

@@ -640,7 +640,35 @@ def check_backward(
         expect_aligned(specs.grad_lse, names.grad_lse)
     if specs.sinks is not None:
         expect_sinks(specs.sinks, state.num_heads, state.device, names.sinks, like)
+    _check_merge_results(specs, names, state)
     return state, num_states
+
+
+def _check_merge_results(specs: BackwardOperands, names: BackwardOperands, state: StateShape) -> None:
+    """The merge's results, given to a gradient: both or neither, as the merge returned them (the
+    values in ``grad_out``'s dtype and shape, the LSE float32 ``[num_heads, num_tokens]``)."""
+    merged, merged_lse = specs.merged, specs.merged_lse
+    if merged is None and merged_lse is None:
+        return
+    if merged is None or merged_lse is None:
+        given, missing = (names.merged, names.merged_lse) if merged is not None else (names.merged_lse, names.merged)
+        raise ValueError(f"{missing}: expected it with {given} (the merge's results, both or neither), got None")
+    grad_out = specs.grad_out
+    expect_ndim(merged, 3, names.merged, VALUES_LAYOUT)
+    if merged.dtype != grad_out.dtype:
+        raise TypeError(
+            f"{names.merged}: expected the dtype of {names.grad_out} ({grad_out.dtype}), the merge's output "
+            f"dtype, got {merged.dtype}"
+        )
+    expect_shape(merged, tuple(grad_out.shape), names.merged, f"{VALUES_LAYOUT}, as {names.grad_out}")
+    expect_unit_last_stride(merged, names.merged)
+    expect_device(merged, state.device, names.merged, names.v)
+    expect_aligned(merged, names.merged)
+    expect_ndim(merged_lse, 2, names.merged_lse, LSE_LAYOUT)
+    expect_float32(merged_lse, names.merged_lse)
+    expect_lse_shape(merged_lse, (state.num_heads, state.num_tokens), names.merged_lse, names.v)
+    expect_device(merged_lse, state.device, names.merged_lse, names.v)
+    expect_aligned(merged_lse, names.merged_lse)
 
 
 # -- FP8 outputs ----------------------------------------------------------------------------------

@@ -53,8 +53,9 @@ class RankOperands(NamedTuple):
 class BackwardOperands(NamedTuple):
     """The arrays of a merge's gradient: the states merged (``v``, ``s``; a two-way merge's
     second state in ``v_b``, ``s_b``; a ragged batch's ``indptr``; the ``sinks``), the
-    gradients of the merged values and LSE (``grad_out``, ``grad_lse``: None for 0), and the
-    gradients written (allocated by the call)."""
+    gradients of the merged values and LSE (``grad_out``, ``grad_lse``: None for 0), the
+    merge's results if the caller kept them (``merged``, ``merged_lse``: both or neither), and
+    the gradients written (allocated by the call)."""
 
     grad_v: Any
     grad_s: Any
@@ -69,6 +70,8 @@ class BackwardOperands(NamedTuple):
     indptr: Any = None
     sinks: Any = None
     grad_sinks: Any = None
+    merged: Any = None
+    merged_lse: Any = None
 
 
 ForwardOperands = TwoStateOperands | ManyStateOperands

@@ -543,9 +543,10 @@ def backward_rows(packs: int, rows: int, row_states: int, ragged: bool, tuning: 
         held = 2 if rows >= tuning.backward_two_pack_rows or busy >= tuning.backward_busy_threads else 1
     lanes = _lanes(packs, held) if held else 32
     chunks = -(-row_states // _span(held, ragged, tuning))
-    groups = _halvings(rows * lanes, min(chunks, tuning.backward_groups, BACKWARD_MAX_GROUPS), tuning)
+    busy = tuning.backward_busy_threads
+    groups = _halvings(rows * lanes, min(chunks, tuning.backward_groups, BACKWARD_MAX_GROUPS), busy)
     most = min(chunks // (groups * tuning.backward_split_chunks), MAX_GRID_Y)
-    splits = _halvings(rows * lanes * groups, most, tuning) if most >= 2 else 1
+    splits = _halvings(rows * lanes * groups, most, busy) if most >= 2 else 1
     return BackwardRows(held, 0, lanes, groups, splits)
 
 
@@ -559,38 +560,65 @@ def _span(held: int, ragged: bool, tuning: Tuning) -> int:
     return 1 if held == 0 else 2 if ragged and held == 2 else tuning.merge_chunk
 
 
-def _halvings(threads: int, most: int, tuning: Tuning) -> int:
-    """The largest power of two up to ``most`` that keeps ``threads`` times it within busy_threads
-    (at least 1): how many ways work of ``threads`` threads is split."""
+def _halvings(threads: int, most: int, busy: int) -> int:
+    """The largest power of two up to ``most`` that keeps ``threads`` times it within ``busy``
+    threads (at least 1): how many ways work of ``threads`` threads is split."""
     ways = 1
-    while ways * 2 <= most and threads * ways * 2 <= tuning.backward_busy_threads:
+    while ways * 2 <= most and threads * ways * 2 <= busy:
         ways *= 2
     return ways
+
+
+def backward_from_output_rows(packs: int, rows: int, row_states: int, ragged: bool, tuning: Tuning) -> BackwardRows:
+    """The way through ``rows`` rows of ``packs`` packs and ``row_states`` states (ragged: the
+    mean) of the gradient given the merge's results: ``held`` packs a lane (two from
+    ``tuning.backward_from_output_two_pack_rows`` rows, where a row has more than one; 0 for
+    rows of none or of more than 64), one group, and as many blocks a row (a share of its
+    chunks each, no finishing launch) as keep the threads within ``tuning.backward_busy_threads``
+    (ragged: ``backward_from_output_ragged_busy_threads``)."""
+    if packs == 0:
+        return BackwardRows(0, 0, 1)
+    two = packs > 32 or (packs > 1 and rows >= tuning.backward_from_output_two_pack_rows)
+    held = 0 if packs > 64 else 2 if two else 1
+    lanes = _lanes(packs, held) if held else 32
+    chunks = -(-row_states // (tuning.merge_chunk if held else 1))
+    busy = tuning.backward_from_output_ragged_busy_threads if ragged else tuning.backward_busy_threads
+    return BackwardRows(held, 0, lanes, 1, _halvings(rows * lanes, min(chunks, MAX_GRID_Y), busy))
 
 
 def plan_backward(
     state: StateShape, num_states: int, specs: BackwardOperands, options: BackwardOptions, tuning: Tuning
 ) -> Plan:
     """The launch of a merge's gradient: a row of ``lanes`` threads (a power of two up to 32) per
-    (token, head), over its states; the gradients written are C-contiguous (allocated by the call)."""
+    (token, head), over its states; the gradients written are C-contiguous (allocated by the call).
+
+    Given the merge's results (``merged``, ``merged_lse``), fewer than
+    ``tuning.backward_from_output_rows`` rows of at least ``tuning.backward_from_output_states``
+    states take the kernel that reads them (one launch: each state's gradients its own, a row's
+    states split over any number of blocks, none of which folds the row's LSEs)."""
     num_tokens, num_heads, head_size = state.num_tokens, state.num_heads, state.head_size
     v, grad_out = specs.v, specs.grad_out
     two_way, ragged = specs.v_b is not None, specs.indptr is not None
     # A ragged batch's rows no token owns are zeroed by the kernel, even with no tokens.
     if num_heads == 0 or (num_tokens == 0 and not (ragged and num_states > 0)):
         return ()
-    module = cat.Module(cat.BACKWARD_SOURCE, state.dtype, grad_out.dtype, specs.sinks is not None,
-                        tuning.compile_options)  # fmt: skip
-    values = [v, grad_out, specs.grad_v] + ([specs.v_b, specs.grad_v_b] if two_way else [])
-    if not two_way:  # the dense stack's (or ragged batch's) second state is one stride on
-        values += [_state_spec(v, 1), _state_spec(specs.grad_v, 1)]
-    vec = choose_vector_width(
-        [spec for spec in values if spec is not None], head_size, cat.vector_widths(state.dtype, grad_out.dtype)
-    )
     rows = num_tokens * num_heads
     # Ragged: the mean (counting rows no token owns); no tokens: nothing to split.
     row_states = (-(-num_states // num_tokens) if num_tokens else 0) if ragged else num_states
-    held, short, lanes, groups, splits = backward_rows(head_size // vec, rows, row_states, ragged, tuning)
+    from_output = (specs.merged is not None and rows < tuning.backward_from_output_rows
+                   and row_states >= tuning.backward_from_output_states)  # fmt: skip
+    source = cat.BACKWARD_FROM_OUTPUT_SOURCE if from_output else cat.BACKWARD_SOURCE
+    module = cat.Module(source, state.dtype, grad_out.dtype, specs.sinks is not None, tuning.compile_options)
+    values = [v, grad_out, specs.grad_v] + ([specs.v_b, specs.grad_v_b] if two_way else [])
+    if not two_way:  # the dense stack's (or ragged batch's) second state is one stride on
+        values += [_state_spec(v, 1), _state_spec(specs.grad_v, 1)]
+    if from_output:
+        values.append(specs.merged)
+    vec = choose_vector_width(
+        [spec for spec in values if spec is not None], head_size, cat.vector_widths(state.dtype, grad_out.dtype)
+    )
+    rows_of = backward_from_output_rows if from_output else backward_rows
+    held, short, lanes, groups, splits = rows_of(head_size // vec, rows, row_states, ragged, tuning)
     rows_y = BACKWARD_THREADS // (lanes * groups)
     block = (lanes, rows_y, groups)
     token_blocks = -(-rows // rows_y)
@@ -608,7 +636,7 @@ def plan_backward(
         "num_states": num_states, "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size,
         "grad_out_stride_token": grad_out.strides[0], "grad_out_stride_head": grad_out.strides[1],
         **_lse_strides("grad_lse", specs.grad_lse), "sinks_stride": _used(specs.sinks, 0),
-        "lanes": lanes, "lse_base_2": options.lse_base_2, "finish": 0,
+        "lanes": lanes, "lse_base_2": options.lse_base_2,
     }  # fmt: skip
     for array, first, rest in (("v", "v", "v_b"), ("gv", "grad_v", "grad_v_b"), ("s", "s", "s_b"),
                                ("gs", "grad_s", "grad_s_b")):  # fmt: skip
@@ -624,7 +652,7 @@ def plan_backward(
         })  # fmt: skip
     index = index_type(
         [v, specs.s, specs.grad_v, specs.grad_s, specs.v_b, specs.s_b, specs.grad_v_b, specs.grad_s_b, grad_out,
-         specs.grad_lse],
+         specs.grad_lse] + ([specs.merged, specs.merged_lse] if from_output else []),
         rows,
         num_states,
     )  # fmt: skip
@@ -633,15 +661,24 @@ def plan_backward(
         args.update({"head_multiplier": head.multiplier, "head_shift": head.shift})
     else:
         args.update({"head_multiplier": 0, "head_shift": 0})
-    template = {"TIn": state.dtype, "TOut": grad_out.dtype, "VEC": vec, "PACKS": held, "SHORT": short,
-                "RAGGED": ragged, "SINKS": specs.sinks is not None, "Index": index}  # fmt: skip
+    template = {"TIn": state.dtype, "TOut": grad_out.dtype, "VEC": vec, "PACKS": held, "RAGGED": ragged,
+                "SINKS": specs.sinks is not None, "Index": index}  # fmt: skip
+    if from_output:
+        merged = specs.merged
+        args.update({
+            "out": Pointer("merged"), "out_lse": Pointer("merged_lse"),
+            "out_stride_token": merged.strides[0], "out_stride_head": merged.strides[1],
+            **_lse_strides("out_lse", specs.merged_lse),
+        })  # fmt: skip
+        grid = (_grid_x(zeroing_blocks if splits == 1 else token_blocks), splits, 1)
+        return (_launch(cat.BACKWARD_FROM_OUTPUT, module, template, grid, block, 0, args),)
+    template["SHORT"] = short
     if splits == 1:
-        return (_launch(cat.BACKWARD, module, template, (_grid_x(zeroing_blocks), 1, 1), block, 0, args),)
-    split = _launch(cat.BACKWARD, module, template, (_grid_x(token_blocks), splits, 1), block, 0, args)
+        return (_launch(cat.BACKWARD, module, template, (_grid_x(zeroing_blocks), 1, 1), block, 0, {**args, "finish": 0}),)
+    split = _launch(cat.BACKWARD, module, template, (_grid_x(token_blocks), splits, 1), block, 0, {**args, "finish": 0})
     # The finishing launch, over the rows' LSEs and LSE gradients only: the same block shape (its
     # groups fold the merged LSE as the split launch's did, to the bit).
-    finish_args = {**args, "finish": 1}
-    finish = _launch(cat.BACKWARD, module, template, (_grid_x(zeroing_blocks), 1, 1), block, 0, finish_args)
+    finish = _launch(cat.BACKWARD, module, template, (_grid_x(zeroing_blocks), 1, 1), block, 0, {**args, "finish": 1})
     return split, finish
 
 

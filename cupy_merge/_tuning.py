@@ -77,6 +77,21 @@ class Tuning:
     #: Gradients: rows that are not short ask L2 for their next chunk of states as they load one
     #: (MERGE_PREFETCH): they wait on memory at the occupancy their registers allow (session 14).
     backward_prefetch: bool = True
+    #: Gradients given the merge's results (``out``, ``out_lse``): fewer rows than this of at least
+    #: backward_from_output_states states (ragged: on average) take the kernel that reads them
+    #: (each state's gradients its own: no fold, no sum over the states first, any share of a
+    #: row's states in any block); the rest ignore them and recompute S, which moves a state's
+    #: worth of bytes less. Session 15: 32-256 rows of 256-4096 states 12-53 -> 93-95 % of the
+    #: copy, 2048 rows of 16-64 states 72-73 -> 78-81 %, ragged 256 rows of ~500 states 33 -> 79
+    #: %; from 16384 rows, and rows of 8 or fewer states, 1-12 points below.
+    backward_from_output_rows: int = 16384
+    backward_from_output_states: int = 16
+    #: ... its threads as for the other kernel (backward_busy_threads), ragged batches' twice that
+    #: (their longest rows decide: 256 rows of ~500 states 68 -> 77 %, session 15) ...
+    backward_from_output_ragged_busy_threads: int = 131072
+    #: ... and two packs a lane from this many rows (one below; where a row has more than one):
+    #: one measured 5-17 points lower at 32-2048 rows, within 2 from 16384 (session 15).
+    backward_from_output_two_pack_rows: int = 0
     #: Programmatic dependent launch on sm_90 and newer: a merge's blocks start while the kernel
     #: before it drains, and wait for its results before their first load. Off by default: in a
     #: CUDA-graph chain (producer, merge, consumer) it saved nothing measurable (within +-1 us at

@@ -9,7 +9,13 @@ and incoming gradients ``dV`` (of ``V``) and ``dS`` (of ``S``)::
 
 A state of weight zero gets zero gradients, never NaN, even when its values are
 NaN. The kernel recomputes ``S`` from the LSEs, so nothing of the forward merge
-needs to be kept but its inputs. These are what ``torch.autograd`` and
+needs to be kept but its inputs. Given the merge's results too (``out``,
+``out_lse``, as it returned them), few rows of many states take a kernel whose
+states are independent (``S`` read, ``<dV, V>`` from ``out``: no fold of a row's
+LSEs and no sum over its states first, any share of them in any block), several
+times faster there; ``out``'s rounding then enters the LSE and sinks' gradients
+(about its dtype's precision, as FlashAttention's backward takes its ``D`` from
+its output). These are what ``torch.autograd`` and
 ``jax.grad`` run through the merges (``cupy_merge.torch_ops``, ``cupy_merge.jax``);
 call them directly for your own backward passes.
 """
@@ -23,9 +29,9 @@ from .bound import declare
 from .types import Array, LseBase
 
 _TWO = BackwardOperands("grad_v_a", "grad_s_a", "v_a", "s_a", "grad_v", "grad_s", "v_b", "s_b",
-                        "grad_v_b", "grad_s_b", sinks="sinks", grad_sinks="grad_sinks")  # fmt: skip
+                        "grad_v_b", "grad_s_b", sinks="sinks", grad_sinks="grad_sinks", merged="out", merged_lse="out_lse")  # fmt: skip
 _MANY = BackwardOperands("grad_states_v", "grad_states_s", "v", "s", "grad_v", "grad_s", indptr="indptr",
-                         sinks="sinks", grad_sinks="grad_sinks")  # fmt: skip
+                         sinks="sinks", grad_sinks="grad_sinks", merged="out", merged_lse="out_lse")  # fmt: skip
 _MERGE_STATE_BACKWARD = _dispatch.Operation(
     "merge_state_backward", _TWO, _checks.backward_options, allocates=True, returns=True
 )
@@ -45,6 +51,8 @@ def merge_state_backward(
     grad_v: Array,
     grad_s: Array | None = None,
     *,
+    out: Array | None = None,
+    out_lse: Array | None = None,
     sinks: Array | None = None,
     lse_base: LseBase = "e",
     stream: Stream = None,
@@ -61,6 +69,11 @@ def merge_state_backward(
         any value dtype (the merge's output dtype).
     grad_s : DeviceArray, optional
         The gradient of the merged LSE, float32 ``[num_heads, num_tokens]``; None for zero.
+    out, out_lse : DeviceArray, optional
+        The merge's results as it returned them (both or neither): the merged values
+        ``[num_tokens, num_heads, head_size]`` in ``grad_v``'s dtype and the merged LSE, float32
+        ``[num_heads, num_tokens]``. Few rows of many states then take ``S`` and ``<dV, V>``
+        from them (``out``'s rounding enters the LSE gradients).
     sinks : DeviceArray, optional
         The merge's sinks, float32 ``[num_heads]``.
     lse_base : {"e", 2}
@@ -85,7 +98,7 @@ def merge_state_backward(
     (0.5, 0.0)
     """
     options = _checks.backward_options(lse_base=lse_base)
-    operands = BackwardOperands(None, None, v_a, s_a, grad_v, grad_s, v_b, s_b, sinks=sinks)
+    operands = BackwardOperands(None, None, v_a, s_a, grad_v, grad_s, v_b, s_b, sinks=sinks, merged=out, merged_lse=out_lse)
     return _dispatch.call(_MERGE_STATE_BACKWARD, options, operands, stream)
 
 
@@ -95,6 +108,8 @@ def merge_states_backward(
     grad_v: Array,
     grad_s: Array | None = None,
     *,
+    out: Array | None = None,
+    out_lse: Array | None = None,
     sinks: Array | None = None,
     lse_base: LseBase = "e",
     stream: Stream = None,
@@ -111,6 +126,11 @@ def merge_states_backward(
         The gradient of the merged values, ``[num_tokens, num_heads, head_size]``.
     grad_s : DeviceArray, optional
         The gradient of the merged LSE, float32 ``[num_heads, num_tokens]``; None for zero.
+    out, out_lse : DeviceArray, optional
+        The merge's results as it returned them (both or neither): the merged values
+        ``[num_tokens, num_heads, head_size]`` in ``grad_v``'s dtype and the merged LSE, float32
+        ``[num_heads, num_tokens]``. Few rows of many states then take ``S`` and ``<dV, V>``
+        from them (``out``'s rounding enters the LSE gradients).
     sinks : DeviceArray, optional
         The merge's sinks, float32 ``[num_heads]``.
     lse_base : {"e", 2}
@@ -137,7 +157,7 @@ def merge_states_backward(
     0.25
     """
     options = _checks.backward_options(lse_base=lse_base)
-    operands = BackwardOperands(None, None, v, s, grad_v, grad_s, sinks=sinks)
+    operands = BackwardOperands(None, None, v, s, grad_v, grad_s, sinks=sinks, merged=out, merged_lse=out_lse)
     return _dispatch.call(_MERGE_STATES_BACKWARD, options, operands, stream)
 
 
@@ -148,6 +168,8 @@ def merge_states_varlen_backward(
     grad_v: Array,
     grad_s: Array | None = None,
     *,
+    out: Array | None = None,
+    out_lse: Array | None = None,
     sinks: Array | None = None,
     lse_base: LseBase = "e",
     stream: Stream = None,
@@ -170,6 +192,11 @@ def merge_states_varlen_backward(
         The gradient of the merged values, ``[num_tokens, num_heads, head_size]``.
     grad_s : DeviceArray, optional
         The gradient of the merged LSE, float32 ``[num_heads, num_tokens]``; None for zero.
+    out, out_lse : DeviceArray, optional
+        The merge's results as it returned them (both or neither): the merged values
+        ``[num_tokens, num_heads, head_size]`` in ``grad_v``'s dtype and the merged LSE, float32
+        ``[num_heads, num_tokens]``. Few rows of many states then take ``S`` and ``<dV, V>``
+        from them (``out``'s rounding enters the LSE gradients).
     sinks : DeviceArray, optional
         The merge's sinks, float32 ``[num_heads]``.
     lse_base : {"e", 2}
@@ -196,7 +223,9 @@ def merge_states_varlen_backward(
     [1.0, 0.5, 0.5]
     """
     options = _checks.backward_options(lse_base=lse_base)
-    operands = BackwardOperands(None, None, v, s, grad_v, grad_s, indptr=indptr, sinks=sinks)
+    operands = BackwardOperands(
+        None, None, v, s, grad_v, grad_s, indptr=indptr, sinks=sinks, merged=out, merged_lse=out_lse
+    )
     return _dispatch.call(_MERGE_STATES_VARLEN_BACKWARD, options, operands, stream)
 
 

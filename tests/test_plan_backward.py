@@ -218,3 +218,83 @@ def test_no_tokens_over_a_large_buffer_do_not_split():
     (launch,) = _dispatch.plan_for(_MERGE_STATES_VARLEN_BACKWARD, BackwardOptions(), _tuning.DEFAULT,
                                    _ragged(100_000, tokens=0)).plan  # fmt: skip
     assert launch.grid == (_plan.BACKWARD_ZEROING_BLOCKS, 1, 1)
+
+
+def _with_results(operands, head_size=128, dtype="bfloat16", tokens=TOKENS):
+    """``operands`` given the merge's results too (``merged``, ``merged_lse``)."""
+    return operands._replace(merged=view((tokens, HEADS, head_size), dtype, ptr=8 << 32),
+                             merged_lse=view((HEADS, tokens), "float32", ptr=9 << 32))  # fmt: skip
+
+
+FROM_OUTPUT_STATES = _tuning.DEFAULT.backward_from_output_states
+
+
+def _reads_the_results(launch):
+    family = cat.BACKWARD_FROM_OUTPUT
+    return launch.kernel.startswith(f"cupy_merge::{family.name}<") and launch.module.source == family.source
+
+
+@pytest.mark.parametrize("states, given", [(2, False), (FROM_OUTPUT_STATES - 1, False), (FROM_OUTPUT_STATES, True),
+                                           (1000, True)])  # fmt: skip
+def test_few_rows_of_many_states_take_the_kernel_given_the_merges_results(states, given):
+    assert _reads_the_results(_plan_of(_MERGE_STATES_BACKWARD, _with_results(_dense(states)))) == given
+    assert not _reads_the_results(_plan_of(_MERGE_STATES_BACKWARD, _dense(states)))
+
+
+def test_rows_enough_recompute_the_merged_lse_even_given_it():
+    def stack(tokens):
+        return _with_results(BackwardOperands(
+            None, None,
+            view((64, tokens, HEADS, 128), "bfloat16", ptr=1 << 32), view((64, HEADS, tokens), "float32", ptr=2 << 32),
+            view((tokens, HEADS, 128), "bfloat16", ptr=3 << 32),
+        ), tokens=tokens)  # fmt: skip
+
+    tokens = -(-_tuning.DEFAULT.backward_from_output_rows // HEADS)
+    assert not _reads_the_results(_plan_of(_MERGE_STATES_BACKWARD, stack(tokens)))
+    assert _reads_the_results(_plan_of(_MERGE_STATES_BACKWARD, stack(tokens - 1)))
+
+
+def test_a_two_way_gradient_given_its_results_still_recomputes_them_but_can_be_told_not_to():
+    assert not _reads_the_results(_plan_of(_MERGE_STATE_BACKWARD, _with_results(_two_way())))
+    every = _tuning.DEFAULT.replace(backward_from_output_states=2)
+    launch = _plan_of(_MERGE_STATE_BACKWARD, _with_results(_two_way()), every)
+    assert _reads_the_results(launch)
+    args = arguments(launch)
+    assert (args["out_stride_token"], args["out_stride_head"]) == (HEADS * 128, 128)
+
+
+def test_a_ragged_batch_given_its_results_takes_one_launch_that_also_zeroes_the_rows_no_token_owns():
+    planned = _dispatch.plan_for(_MERGE_STATES_VARLEN_BACKWARD, BackwardOptions(),
+                                 _tuning.DEFAULT.replace(backward_from_output_states=2),
+                                 _with_results(_ragged(4000, tokens=1000), head_size=64, tokens=1000))  # fmt: skip
+    (launch,) = planned.plan
+    assert template(launch)["RAGGED"] == "true" and _reads_the_results(launch)
+    assert launch.grid[1] == 1  # 4 states a token, rows enough: one block a row
+    assert launch.grid[0] > -(-1000 * HEADS // launch.block[1])  # blocks for every row of the batch
+
+
+@pytest.mark.parametrize("packs, rows, states, ragged, want", [
+    (16, 32, 1024, False, (1, 16, 128)),  # few rows of many states: a block a chunk of 4 (256 chunks, busy at 128)
+    (16, 32, 1024, True, (1, 16, 256)),  # ragged: twice the threads
+    (16, 1 << 16, 16, False, (1, 16, 1)),  # rows enough: one block a row
+    (33, 10, 9, False, (2, 32, 2)),  # more packs than lanes: two a lane; 3 chunks, split in powers of two
+    (100, 10, 9, False, (0, 32, 8)),  # lanes that loop over packs split state by state
+    (0, 10, 9, False, (0, 1, 1)),
+])  # fmt: skip
+def test_the_kernel_given_the_results_splits_few_rows_over_blocks(packs, rows, states, ragged, want):
+    got = _plan.backward_from_output_rows(packs, rows, states, ragged, _tuning.DEFAULT.replace(
+        backward_from_output_two_pack_rows=2**62))  # fmt: skip
+    assert (got.held, got.lanes, got.splits) == want
+
+
+def test_the_merges_results_come_both_or_neither_and_as_the_merge_returned_them():
+    operands = _with_results(_dense(5))
+    for missing in ("merged", "merged_lse"):
+        with pytest.raises(ValueError, match="^out(_lse)?: expected it with out"):
+            _plan_of(_MERGE_STATES_BACKWARD, operands._replace(**{missing: None}))
+    with pytest.raises(TypeError, match=r"^out: expected the dtype of grad_v \(bfloat16\)"):
+        _plan_of(_MERGE_STATES_BACKWARD, operands._replace(merged=view((TOKENS, HEADS, 128), "float32", ptr=8 << 32)))
+    with pytest.raises(ValueError, match="^out: expected shape"):
+        _plan_of(_MERGE_STATES_BACKWARD, operands._replace(merged=view((TOKENS, HEADS, 64), "bfloat16", ptr=8 << 32)))
+    with pytest.raises(ValueError, match="^out_lse: expected shape"):
+        _plan_of(_MERGE_STATES_BACKWARD, operands._replace(merged_lse=view((TOKENS, HEADS), "float32", ptr=9 << 32)))

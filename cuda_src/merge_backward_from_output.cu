@@ -1,0 +1,222 @@
+// The gradient of a merge given its results: the merged values V (`out`) and LSE S (`out_lse`),
+// as the merge returned them. With both known, each state's gradients are its own:
+//   w_i = exp(s_i - S),  dV_i = w_i dV,  ds_i = w_i (<dV, V_i> - <dV, V> + dS),  dz = w_z (dS - <dV, V>)
+// so a row's states need no fold of their LSEs and no sum over them before an LSE gradient is
+// known (merge_backward.cu's two steps, which left its long rows waiting on memory at the
+// occupancy their registers allow, session 14), and any share of them may go to any block. The
+// price is one more read, of V: [tokens, heads, head_size], a state's worth.
+// Conventions as merge_backward.cu's (layouts, base-2 LSEs, zero-weight states, ragged rows no
+// token owns zeroed, the sinks' gradients summed over tokens); S is read as given: a NaN S gives
+// its row NaN gradients, -inf (an empty row) or +inf (a +inf sink) zero weights.
+//
+// Launch: block (lanes, rows_y), 128 threads, `lanes` (a power of two <= 32) threads a row; a
+// grid-stride loop over rows; gridDim.y splits, split y taking the row's chunks y, y + splits, ...
+// of kChunk states. PACKS (1 or 2): a row is 1 to PACKS x lanes packs, each lane holding its
+// packs of dV in registers; 0: any head_size (rows loop over their packs).
+#include "backward.cuh"
+#include "grid.cuh"
+
+#ifndef MERGE_CHUNK
+#define MERGE_CHUNK 4
+#endif
+
+namespace cupy_merge {
+
+// Blocks a multiprocessor keeps, with 32-bit offsets: without a bound ptxas took 108 registers
+// (dense rows of two packs a lane), 114 (ragged) and 64-79 (one pack); ragged rows spill at 5 and 8.
+template <typename Index, int PACKS, bool RAGGED>
+constexpr int kFromOutputMinBlocks = sizeof(Index) != 4 ? 1 : RAGGED ? (PACKS == 2 ? 4 : 6) : (PACKS == 2 ? 5 : 8);
+
+template <typename TIn, typename TOut, int VEC, int PACKS, bool RAGGED, bool SINKS, typename Index>
+__global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, PACKS, RAGGED>) merge_states_backward_from_output(
+    TIn* __restrict__ gv0, TIn* __restrict__ gv1, float* __restrict__ gs0, float* __restrict__ gs1,
+    float* grad_sinks,
+    const TIn* __restrict__ v0, const TIn* __restrict__ v1, const float* __restrict__ s0, const float* __restrict__ s1,
+    const TOut* __restrict__ grad_out, const float* __restrict__ grad_lse, const TOut* __restrict__ out,
+    const float* __restrict__ out_lse, const float* __restrict__ sinks,
+    const void* indptr, long long indptr_bytes, long long indptr_stride,
+    long long num_states, long long num_tokens, long long num_heads, long long head_size,
+    long long v0_stride_token, long long v0_stride_head, long long v1_stride_token, long long v1_stride_head,
+    long long v_stride_state,
+    long long gv0_stride_token, long long gv0_stride_head, long long gv1_stride_token, long long gv1_stride_head,
+    long long gv_stride_state,
+    long long s0_stride_head, long long s0_stride_token, long long s1_stride_head, long long s1_stride_token,
+    long long s_stride_state,
+    long long gs0_stride_head, long long gs0_stride_token, long long gs1_stride_head, long long gs1_stride_token,
+    long long gs_stride_state,
+    long long grad_out_stride_token, long long grad_out_stride_head,
+    long long grad_lse_stride_head, long long grad_lse_stride_token,
+    long long out_stride_token, long long out_stride_head, long long out_lse_stride_head, long long out_lse_stride_token,
+    long long sinks_stride, long long lanes, long long lse_base_2, long long head_multiplier, long long head_shift) {
+  constexpr int kHeld = PACKS > 0 ? PACKS : 1;  // the packs a lane holds (PACKS 0: its first, unused)
+  constexpr int kChunk = MERGE_CHUNK;             // states loaded together
+  using InPack = Pack<TIn, VEC>;
+  using OutPack = Pack<TOut, VEC>;
+  launch_dependents();
+  const int lane = threadIdx.x;
+  const Index split = static_cast<Index>(blockIdx.y), splits = static_cast<Index>(gridDim.y);
+  const Index packs = static_cast<Index>(head_size / VEC);
+  const int row_lanes = static_cast<int>(lanes);
+  bool has_pack[kHeld];
+  Index pack[kHeld];  // the packs this lane loads: lane, lane + lanes, ... (those past the row's: its first)
+#pragma unroll
+  for (int q = 0; q < kHeld; ++q) {
+    has_pack[q] = lane + q * row_lanes < packs;
+    pack[q] = has_pack[q] ? lane + q * row_lanes : 0;
+  }
+  const float to_natural = lse_to_natural(lse_base_2);
+  const float ln2_if_base_2 = lse_base_2 ? kLn2 : 1.0f;
+  const float log2e_if_base_2 = lse_base_2 ? kLog2E : 1.0f;
+  const Index heads = static_cast<Index>(num_heads);
+  const Index rows = static_cast<Index>(num_tokens) * heads;
+  wait_for_inputs();
+  // The block's rows advance together, so that a warp stays converged: a row past the last
+  // (valid false) reads the last row, writes nothing and, ragged, has no states.
+  for (Index block_row = static_cast<Index>(blockIdx.x) * blockDim.y; block_row < rows;
+       block_row += static_cast<Index>(gridDim.x) * blockDim.y) {
+    const bool valid = block_row + static_cast<Index>(threadIdx.y) < rows;
+    const Index row = valid ? block_row + static_cast<Index>(threadIdx.y) : rows - 1;
+    Index token;
+    if constexpr (sizeof(Index) == 4) {
+      token = fast_divide(row, static_cast<unsigned>(head_multiplier), static_cast<unsigned>(head_shift));
+    } else {
+      token = row / heads;
+    }
+    const Index head = row - token * heads;
+    Index first = 0, count = static_cast<Index>(num_states);
+    bool bad = false;
+    if constexpr (RAGGED) {
+      const RaggedRow ragged = ragged_row(indptr, indptr_bytes, indptr_stride, token, num_states);
+      first = static_cast<Index>(ragged.first);
+      count = valid ? static_cast<Index>(ragged.count) : 0;
+      bad = ragged.bad;
+    }
+    const Index loop_count = RAGGED ? warp_max(count) : count;  // every row of the warp loops this far
+    const Index t0 = RAGGED ? 0 : token;  // a ragged token's offset is in its state index
+    const auto lse_at = StatePointers<const float, Index>::of(s0, s1, t0, head, s0_stride_token, s0_stride_head,
+                                                              s1_stride_token, s1_stride_head, s_stride_state);
+    const auto v_at = StatePointers<const TIn, Index>::of(v0, v1, t0, head, v0_stride_token, v0_stride_head,
+                                                          v1_stride_token, v1_stride_head, v_stride_state);
+    const auto gv_at = StatePointers<TIn, Index>::of(gv0, gv1, t0, head, gv0_stride_token, gv0_stride_head,
+                                                     gv1_stride_token, gv1_stride_head, gv_stride_state);
+    const auto gs_at = StatePointers<float, Index>::of(gs0, gs1, t0, head, gs0_stride_token, gs0_stride_head,
+                                                       gs1_stride_token, gs1_stride_head, gs_stride_state);
+    // State i (0 <= i < loop_count) as loaded: past the row's count the last (or the batch's
+    // first, for none) stands in, and is not used: the loads are unconditional.
+    auto loaded = [&](Index i) { return count == 0 ? 0 : first + min(i, count - 1); };
+
+    // The row's S, dS, its lanes' packs of dV and <dV, V>: loads issued together with the first
+    // chunk's below (nothing of theirs depends on these).
+    const float S = out_lse[head * static_cast<Index>(out_lse_stride_head) + token * static_cast<Index>(out_lse_stride_token)] *
+                    to_natural;
+    const float dS = grad_lse == nullptr ? 0.0f
+                     : grad_lse[head * static_cast<Index>(grad_lse_stride_head) + token * static_cast<Index>(grad_lse_stride_token)] * log2e_if_base_2;
+    const Index row_offset_out = token * static_cast<Index>(out_stride_token) + head * static_cast<Index>(out_stride_head);
+    const OutPack* V_row = reinterpret_cast<const OutPack*>(out + row_offset_out);
+    const OutPack* dV_row = grad_out == nullptr ? nullptr
+                            : reinterpret_cast<const OutPack*>(grad_out + (token * static_cast<Index>(grad_out_stride_token) +
+                                                                           head * static_cast<Index>(grad_out_stride_head)));
+    float dV[kHeld][VEC] = {};  // PACKS: this lane's packs of dV, widened once for every state (zero past the row)
+    float dot_part = 0.0f;      // this lane's part of <dV, V>
+    if (dV_row != nullptr) {
+      if constexpr (PACKS > 0) {
+#pragma unroll
+        for (int q = 0; q < kHeld; ++q) {
+          if (!has_pack[q]) continue;
+          const OutPack held = dV_row[pack[q]];
+          const OutPack merged = V_row[pack[q]];
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            dV[q][k] = to_float(held.v[k]);
+            dot_part = fmaf(dV[q][k], to_float(merged.v[k]), dot_part);
+          }
+        }
+      } else {
+        for (Index p = lane; p < packs; p += row_lanes) {
+          const OutPack held = dV_row[p], merged = V_row[p];
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) dot_part = fmaf(to_float(held.v[k]), to_float(merged.v[k]), dot_part);
+        }
+      }
+    }
+    const float dot_v = row_sum(dot_part, row_lanes);  // <dV, V>
+    const bool finite_S = S != negative_infinity() && S != positive_infinity();
+    auto weight = [&](float s) { return finite_S ? backward_weight(s - S) : (is_nan(S) ? S : 0.0f); };
+    // w_i (<dV, V_i> - <dV, V> + dS), in the LSEs' base.
+    auto lse_gradient = [&](float w, float d_i) {
+      return (w == 0.0f ? 0.0f : w * (d_i - dot_v + dS)) * ln2_if_base_2;
+    };
+
+    if constexpr (PACKS > 0) {
+      float lse[kChunk];
+      InPack x[kChunk][kHeld];
+#pragma unroll 1
+      for (Index i0 = split * kChunk; i0 < loop_count; i0 += splits * kChunk) {
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) {
+          const float s = empty_if_inf(*lse_at.at(loaded(i0 + j))) * to_natural;
+          lse[j] = i0 + j < count ? s : negative_infinity();
+#pragma unroll
+          for (int q = 0; q < kHeld; ++q) x[j][q] = load_pack(reinterpret_cast<const InPack*>(v_at.at(loaded(i0 + j))) + pack[q]);
+        }
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) {
+          if (i0 + j >= loop_count) break;  // uniform across the warp
+          const Index i = i0 + j;
+          const bool real = valid && i < count;
+          const float w = i < count ? weight(lse[j]) : 0.0f;
+          float partial = 0.0f;
+#pragma unroll
+          for (int q = 0; q < kHeld; ++q) {
+            float part = 0.0f;
+            const InPack g = state_gradient<TIn, VEC>(w, x[j][q], dV[q], part);
+            partial += has_pack[q] ? part : 0.0f;  // a pack past the row's is its first: 0 x inf would be NaN
+            if (real && has_pack[q]) store_pack(reinterpret_cast<InPack*>(gv_at.at(first + i)) + pack[q], g);
+          }
+          const float d_i = row_sum(partial, row_lanes);
+          if (real && (j & (row_lanes - 1)) == lane) *gs_at.at(first + i) = lse_gradient(w, d_i);
+        }
+      }
+    } else {
+#pragma unroll 1
+      for (Index i = split; i < loop_count; i += splits) {
+        const bool real = valid && i < count;
+        const float w = i < count ? weight(empty_if_inf(*lse_at.at(loaded(i))) * to_natural) : 0.0f;
+        const InPack* vi = reinterpret_cast<const InPack*>(v_at.at(loaded(i)));
+        float partial = 0.0f;
+        for (Index p = lane; i < count && p < packs; p += row_lanes) {
+          const OutPack dv = dV_row != nullptr ? dV_row[p] : OutPack{};
+          float d[VEC];
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) d[k] = to_float(dv.v[k]);
+          const InPack g = state_gradient<TIn, VEC>(w, load_pack(vi + p), d, partial);
+          if (valid) store_pack(reinterpret_cast<InPack*>(gv_at.at(first + i)) + p, g);
+        }
+        const float d_i = row_sum(partial, row_lanes);
+        if (real && lane == 0) *gs_at.at(first + i) = lse_gradient(w, d_i);
+      }
+    }
+    if (split != 0 || !valid) continue;
+    if constexpr (RAGGED) {
+      if (bad) zero_bad_token_rows<VEC>(gv_at, gs_at, indptr, indptr_bytes, indptr_stride, token, num_states, lane,
+                                        row_lanes, packs, Index{0}, Index{1});
+    }
+    if constexpr (SINKS) {
+      if (lane == 0 && !bad) {
+        const float sink = sink_logit<SINKS>(sinks, static_cast<int>(sinks_stride), head);
+        const float w_z = S == positive_infinity() ? 1.0f : S == negative_infinity() ? 0.0f : backward_weight(sink - S);
+        atomicAdd(grad_sinks + head, w_z == 0.0f ? 0.0f : w_z * (dS - dot_v));
+      }
+    }
+  }
+  if constexpr (RAGGED) {
+    const Index block = static_cast<Index>(blockIdx.y) * gridDim.x + blockIdx.x;
+    const Index thread_rows = static_cast<Index>(gridDim.x) * gridDim.y * blockDim.y;
+    zero_unowned_rows<VEC, TIn, Index>(gv0, gv1, gs0, gs1, indptr, indptr_bytes, indptr_stride, num_states, num_tokens, heads,
+                           packs, gv0_stride_head, gv1_stride_head, gv_stride_state, gs0_stride_head, gs1_stride_head,
+                           gs_stride_state, block * static_cast<Index>(blockDim.y) + static_cast<Index>(threadIdx.y), thread_rows, lane,
+                           row_lanes);
+  }
+}
+
+}  // namespace cupy_merge
