@@ -445,7 +445,7 @@ def _batched(cfg: _Config):
 def _differentiable(cfg: _Config):
     """:func:`_batched` with its derivative: ``jax.custom_vjp`` outside the ``custom_vmap`` (the
     order JAX requires), whose backward runs the merge's backward kernel (:func:`_vjp_backward`)
-    from the merge's inputs, its only residuals (the kernel recomputes the merged LSE)."""
+    from the merge's inputs and its results (its residuals)."""
     jax = _jax().jax
     function = jax.custom_vjp(_batched(cfg))
     function.defvjp(functools.partial(_vjp_forward, cfg), functools.partial(_vjp_backward, cfg))
@@ -453,15 +453,16 @@ def _differentiable(cfg: _Config):
 
 
 def _vjp_forward(cfg: _Config, *arrays: Any) -> tuple:
-    """The merge, keeping its inputs for the backward; an FP8 output is refused (it has no gradient:
-    rounding to FP8 is a step function). Only a differentiated call comes here."""
+    """The merge, keeping its inputs and results for the backward; an FP8 output is refused (it has
+    no gradient: rounding to FP8 is a step function). Only a differentiated call comes here."""
     if cfg.options.out_dtype == FP8:
         raise TypeError(
             f"cupy_merge.jax.{cfg.operation.name}: an FP8 (float8_e4m3fn) output is not differentiable; merge to "
             f"float32, float16 or bfloat16 to take gradients through the merge (and quantise after it), or "
             f"apply jax.lax.stop_gradient to its inputs"
         )
-    return _once_differentiable(cfg)(*arrays), arrays
+    results = _once_differentiable(cfg)(*arrays)
+    return results, (arrays, tuple(results[:2]))
 
 
 @functools.cache
@@ -474,8 +475,10 @@ def _once_differentiable(cfg: _Config):
     return function
 
 
-def _vjp_backward(cfg: _Config, arrays: tuple, cotangents: tuple) -> tuple:
-    """The gradients of every operand of ``cfg`` (None for offsets and masks): one backward kernel."""
+def _vjp_backward(cfg: _Config, residuals: tuple, cotangents: tuple) -> tuple:
+    """The gradients of every operand of ``cfg`` (None for offsets and masks): one backward kernel,
+    an N-way merge's given its results (rows of three states or more then skip recomputing them)."""
+    arrays, (merged, merged_lse) = residuals
     given = dict(zip(cfg.fields, arrays))
     grad_out, grad_lse = cotangents[0], cotangents[1]
     options = _checks.backward_options(lse_base=2 if cfg.options.lse_base_2 else "e")
@@ -488,7 +491,8 @@ def _vjp_backward(cfg: _Config, arrays: tuple, cotangents: tuple) -> tuple:
             operation, fields = _MERGE_STATES_VARLEN_BACKWARD, ("v", "s", "indptr", "grad_out", "grad_lse")
         else:
             operation, fields = _MERGE_STATES_BACKWARD, ("v", "s", "grad_out", "grad_lse")
-        values = dict(given, grad_out=grad_out, grad_lse=grad_lse)
+        fields += ("merged", "merged_lse")
+        values = dict(given, grad_out=grad_out, grad_lse=grad_lse, merged=merged, merged_lse=merged_lse)
         grads = _backward_call(operation, options, cfg.tuning, fields + sinks, values)
         named = {"v": grads[0], "s": grads[1], "sinks": grads[2] if sinks else None}
     return tuple(named.get(field) for field in cfg.fields)
@@ -547,7 +551,7 @@ def _backward_call(operation: _dispatch.Operation, options: Any, tuning: _tuning
     dense = operation is _MERGE_STATES_BACKWARD
     layouts = tuple(
         "nt" if dense and field == "v" else "nht" if dense and field == "s" else
-        "ht" if field in ("s", "s_b", "grad_lse") else "" for field in fields
+        "ht" if field in ("s", "s_b", "grad_lse", "merged_lse") else "" for field in fields
     )  # fmt: skip
     cfg = _Config(operation, options, tuning, fields, layouts)
     return tuple(_backward_function(cfg)(*(values[field] for field in fields)))
@@ -867,7 +871,7 @@ def _rule_two_backward(cfg: _Config, size: int, in_batched: list, *args: Any):
     if not (batched["v"] and batched["v_b"]) or "sinks" in given:
         return _backward_sequential(cfg, size, in_batched, args)
     tokens = given["v"].shape[-3]
-    lses = ("s", "s_b", "grad_lse")
+    lses = ("s", "s_b", "grad_lse", "merged_lse")
     folded = [
         _lse_token_major(x, cfg.layout(field), batched[field], size) if field in lses
         else _fold_rows(x, batched[field], size)
@@ -914,12 +918,12 @@ def _rule_many_backward(cfg: _Config, size: int, in_batched: list, *args: Any):
             folded.append(folded_v)
         elif field == "s":
             folded.append(folded_s)
-        elif field == "grad_out":
+        elif field in ("grad_out", "merged"):
             folded.append(_fold_rows(x, batched[field], size))
-        else:  # grad_lse
+        else:  # grad_lse, merged_lse
             folded.append(_lse_token_major(x, cfg.layout(field), batched[field], size))
     layouts = tuple(
-        v_layout if field == "v" else "tnh" if field == "s" else "th" if field == "grad_lse" else lay
+        v_layout if field == "v" else "tnh" if field == "s" else "th" if field in ("grad_lse", "merged_lse") else lay
         for field, lay in zip(cfg.fields, cfg.layouts)
     )  # fmt: skip
     grad_v, grad_s = _backward_batched(cfg._replace(layouts=layouts))(*folded)
@@ -979,13 +983,13 @@ def _rule_varlen_backward(cfg: _Config, size: int, in_batched: list, *args: Any)
             folded.append(_lse_token_major(jnp.where(keep, x, -jnp.inf), layout, True, size))
         elif field == "indptr":
             folded.append(offsets)
-        elif field == "grad_out":
+        elif field in ("grad_out", "merged"):
             folded.append(_fold_rows(_pad_token(_broadcast(x, batched[field], size), "th"), True, size))
-        else:  # grad_lse
+        else:  # grad_lse, merged_lse (the extra tokens' 0: their rows' empty LSEs give weights of 0)
             padded = _pad_token(_broadcast(x, batched[field], size), layout)
             folded.append(_lse_token_major(padded, layout, True, size))
     layouts = tuple(
-        "th" if field in ("s", "grad_lse") else lay for field, lay in zip(cfg.fields, cfg.layouts)
+        "th" if field in ("s", "grad_lse", "merged_lse") else lay for field, lay in zip(cfg.fields, cfg.layouts)
     )
     grad_v, grad_s = _backward_batched(cfg._replace(layouts=layouts))(*folded)
     results = (grad_v.reshape(size, rows, heads, head_size), _lse_unfold(grad_s, size, rows, cfg.layout("s")))
@@ -1184,7 +1188,7 @@ def _refuse_stream(stream: Any) -> None:
 
 
 #: The backward merges' operands, in the order they are passed.
-_BACKWARD_INPUTS = ("v", "s", "v_b", "s_b", "indptr", "grad_out", "grad_lse", "sinks")
+_BACKWARD_INPUTS = ("v", "s", "v_b", "s_b", "indptr", "grad_out", "grad_lse", "sinks", "merged", "merged_lse")
 
 
 def _apply_backward(operation: _dispatch.Operation, options: Any, operands: BackwardOperands) -> tuple:

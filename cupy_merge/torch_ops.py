@@ -84,15 +84,16 @@ SCHEMAS: dict[str, str] = {
     ),
     "merge_state_backward": (
         "merge_state_backward(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b, Tensor grad_v, Tensor? grad_s=None, "
-        '*, Tensor? sinks=None, str lse_base="e") -> (Tensor, Tensor, Tensor, Tensor, Tensor?)'
+        '*, Tensor? out=None, Tensor? out_lse=None, Tensor? sinks=None, str lse_base="e") -> '
+        "(Tensor, Tensor, Tensor, Tensor, Tensor?)"
     ),
     "merge_states_backward": (
-        "merge_states_backward(Tensor v, Tensor s, Tensor grad_v, Tensor? grad_s=None, *, Tensor? sinks=None, "
-        'str lse_base="e") -> (Tensor, Tensor, Tensor?)'
+        "merge_states_backward(Tensor v, Tensor s, Tensor grad_v, Tensor? grad_s=None, *, Tensor? out=None, "
+        'Tensor? out_lse=None, Tensor? sinks=None, str lse_base="e") -> (Tensor, Tensor, Tensor?)'
     ),
     "merge_states_varlen_backward": (
         "merge_states_varlen_backward(Tensor v, Tensor s, Tensor indptr, Tensor grad_v, Tensor? grad_s=None, *, "
-        'Tensor? sinks=None, str lse_base="e") -> (Tensor, Tensor, Tensor?)'
+        'Tensor? out=None, Tensor? out_lse=None, Tensor? sinks=None, str lse_base="e") -> (Tensor, Tensor, Tensor?)'
     ),
 }
 
@@ -309,16 +310,21 @@ def _merge_states_varlen_out_kernel(out, out_lse, v, s, indptr, *, lse_base="e",
                                     scale_ue8m0=scale_ue8m0)  # fmt: skip
 
 
-def _merge_state_backward_kernel(v_a, s_a, v_b, s_b, grad_v, grad_s=None, *, sinks=None, lse_base="e"):
-    return _backward.merge_state_backward(v_a, s_a, v_b, s_b, grad_v, grad_s, sinks=sinks, lse_base=lse_base)
+def _merge_state_backward_kernel(v_a, s_a, v_b, s_b, grad_v, grad_s=None, *, out=None, out_lse=None, sinks=None,
+                                 lse_base="e"):  # fmt: skip
+    return _backward.merge_state_backward(v_a, s_a, v_b, s_b, grad_v, grad_s, out=out, out_lse=out_lse, sinks=sinks,
+                                          lse_base=lse_base)  # fmt: skip
 
 
-def _merge_states_backward_kernel(v, s, grad_v, grad_s=None, *, sinks=None, lse_base="e"):
-    return _backward.merge_states_backward(v, s, grad_v, grad_s, sinks=sinks, lse_base=lse_base)
+def _merge_states_backward_kernel(v, s, grad_v, grad_s=None, *, out=None, out_lse=None, sinks=None, lse_base="e"):
+    return _backward.merge_states_backward(v, s, grad_v, grad_s, out=out, out_lse=out_lse, sinks=sinks,
+                                           lse_base=lse_base)  # fmt: skip
 
 
-def _merge_states_varlen_backward_kernel(v, s, indptr, grad_v, grad_s=None, *, sinks=None, lse_base="e"):
-    return _backward.merge_states_varlen_backward(v, s, indptr, grad_v, grad_s, sinks=sinks, lse_base=lse_base)
+def _merge_states_varlen_backward_kernel(v, s, indptr, grad_v, grad_s=None, *, out=None, out_lse=None, sinks=None,
+                                         lse_base="e"):  # fmt: skip
+    return _backward.merge_states_varlen_backward(v, s, indptr, grad_v, grad_s, out=out, out_lse=out_lse, sinks=sinks,
+                                                  lse_base=lse_base)  # fmt: skip
 
 
 _KERNELS: dict[str, Callable[..., Any]] = {
@@ -523,26 +529,29 @@ def _grad_sinks(torch: Any, sinks: Any) -> Any:
     return None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32, device=sinks.device)
 
 
-def _merge_state_backward_fake(v_a, s_a, v_b, s_b, grad_v, grad_s=None, *, sinks=None, lse_base="e"):
+def _merge_state_backward_fake(v_a, s_a, v_b, s_b, grad_v, grad_s=None, *, out=None, out_lse=None, sinks=None,
+                               lse_base="e"):  # fmt: skip
     torch = sys.modules["torch"]
     options = _checks.backward_options(lse_base=lse_base)
     _check(_MERGE_STATE_BACKWARD, options, BackwardOperands(None, None, v_a, s_a, grad_v, grad_s, v_b, s_b,
-                                                            sinks=sinks))  # fmt: skip
+                                                            sinks=sinks, merged=out, merged_lse=out_lse))  # fmt: skip
     return _like(torch, v_a), _like(torch, s_a), _like(torch, v_b), _like(torch, s_b), _grad_sinks(torch, sinks)
 
 
-def _merge_states_backward_fake(v, s, grad_v, grad_s=None, *, sinks=None, lse_base="e"):
+def _merge_states_backward_fake(v, s, grad_v, grad_s=None, *, out=None, out_lse=None, sinks=None, lse_base="e"):
     torch = sys.modules["torch"]
     options = _checks.backward_options(lse_base=lse_base)
-    _check(_MERGE_STATES_BACKWARD, options, BackwardOperands(None, None, v, s, grad_v, grad_s, sinks=sinks))
+    _check(_MERGE_STATES_BACKWARD, options, BackwardOperands(None, None, v, s, grad_v, grad_s, sinks=sinks,
+                                                             merged=out, merged_lse=out_lse))  # fmt: skip
     return _like(torch, v), _like(torch, s), _grad_sinks(torch, sinks)
 
 
-def _merge_states_varlen_backward_fake(v, s, indptr, grad_v, grad_s=None, *, sinks=None, lse_base="e"):
+def _merge_states_varlen_backward_fake(v, s, indptr, grad_v, grad_s=None, *, out=None, out_lse=None, sinks=None,
+                                       lse_base="e"):  # fmt: skip
     torch = sys.modules["torch"]
     options = _checks.backward_options(lse_base=lse_base)
     _check(_MERGE_STATES_VARLEN_BACKWARD, options, BackwardOperands(None, None, v, s, grad_v, grad_s, indptr=indptr,
-                                                                    sinks=sinks))  # fmt: skip
+                                                                    sinks=sinks, merged=out, merged_lse=out_lse))  # fmt: skip
     return _like(torch, v), _like(torch, s), _grad_sinks(torch, sinks)
 
 
@@ -671,13 +680,15 @@ def _traced_many(torch: Any, operation: _dispatch.Operation, options: Any, o: Ma
 def _traced_backward(torch: Any, operation: _dispatch.Operation, options: Any, o: BackwardOperands) -> Any:
     ops_ = torch.ops.cupy_merge
     lse_base = _lse_base(options)
+    results = {"out": o.merged, "out_lse": o.merged_lse}
     if operation.name == "merge_state_backward":
         return ops_.merge_state_backward.default(o.v, o.s, o.v_b, o.s_b, o.grad_out, o.grad_lse, sinks=o.sinks,
-                                                 lse_base=lse_base)  # fmt: skip
+                                                 lse_base=lse_base, **results)  # fmt: skip
     if operation.name == "merge_states_varlen_backward":
         return ops_.merge_states_varlen_backward.default(o.v, o.s, o.indptr, o.grad_out, o.grad_lse, sinks=o.sinks,
-                                                         lse_base=lse_base)  # fmt: skip
-    return ops_.merge_states_backward.default(o.v, o.s, o.grad_out, o.grad_lse, sinks=o.sinks, lse_base=lse_base)
+                                                         lse_base=lse_base, **results)  # fmt: skip
+    return ops_.merge_states_backward.default(o.v, o.s, o.grad_out, o.grad_lse, sinks=o.sinks, lse_base=lse_base,
+                                              **results)  # fmt: skip
 
 
 # -- autograd ---------------------------------------------------------------------------------------------
@@ -781,15 +792,16 @@ def _make_functions(torch: Any) -> dict[str, Any]:
                 options = _checks.many_state_options(lse_base=base, out_dtype=out_dtype)
                 merged, lse = _dispatch.call(_MERGE_STATES, options, ManyStateOperands(None, None, v, s, None, sinks),
                                              None)  # fmt: skip
-            ctx.save_for_backward(v, s, sinks)
+            ctx.save_for_backward(v, s, sinks, merged, lse)
             ctx.lse_base = base
             return merged, lse
 
         @staticmethod
         def backward(ctx, grad_v, grad_s):
-            v, s, sinks = ctx.saved_tensors
+            v, s, sinks, merged, lse = ctx.saved_tensors
             grad_v, grad_s = _unit_last(grad_v), _dense(grad_s)
-            grads = _backward.merge_states_backward(v, s, grad_v, grad_s, sinks=sinks, lse_base=ctx.lse_base)
+            grads = _backward.merge_states_backward(v, s, grad_v, grad_s, out=merged, out_lse=lse, sinks=sinks,
+                                                    lse_base=ctx.lse_base)  # fmt: skip
             return grads[0], grads[1], grads[2], None, None
 
     class MergeStatesVarlen(torch.autograd.Function):
@@ -805,16 +817,16 @@ def _make_functions(torch: Any) -> dict[str, Any]:
                 options = _checks.many_state_options(lse_base=base, out_dtype=out_dtype, check_indptr=check_indptr)
                 operands = ManyStateOperands(None, None, v, s, indptr, sinks)
                 merged, lse = _dispatch.call(_MERGE_STATES_VARLEN, options, operands, None)
-            ctx.save_for_backward(v, s, indptr, sinks)
+            ctx.save_for_backward(v, s, indptr, sinks, merged, lse)
             ctx.lse_base = base
             return merged, lse
 
         @staticmethod
         def backward(ctx, grad_v, grad_s):
-            v, s, indptr, sinks = ctx.saved_tensors
+            v, s, indptr, sinks, merged, lse = ctx.saved_tensors
             grad_v, grad_s = _unit_last(grad_v), _dense(grad_s)
-            grads = _backward.merge_states_varlen_backward(v, s, indptr, grad_v, grad_s, sinks=sinks,
-                                                           lse_base=ctx.lse_base)  # fmt: skip
+            grads = _backward.merge_states_varlen_backward(v, s, indptr, grad_v, grad_s, out=merged, out_lse=lse,
+                                                           sinks=sinks, lse_base=ctx.lse_base)  # fmt: skip
             return grads[0], grads[1], None, grads[2], None, None, None
 
     return {"merge_state": MergeState, "merge_states": MergeStates, "merge_states_varlen": MergeStatesVarlen}

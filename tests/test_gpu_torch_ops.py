@@ -27,6 +27,7 @@ torch = pytest.importorskip("torch")
 T, H, D = 37, 4, 128
 FP8 = torch.float8_e4m3fn
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+GIVEN_TOLERANCE = 4e-2  # test_gpu_backward.py's, for gradients given the merge's 16-bit results
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -58,11 +59,11 @@ def host(x):
     return None if x is None else to_host(x)
 
 
-def check(got, want, dtype, what=""):
+def check(got, want, dtype, what="", tolerance=None):
     got = host(got)
     assert np.isfinite(got).all(), f"{what}: not every element was written"
     error = relative_error(got, want)
-    assert error <= TOLERANCE[dtype], f"{what}: relative error {error:.2e}"
+    assert error <= (tolerance or TOLERANCE[dtype]), f"{what}: relative error {error:.2e}"
 
 
 def fp8_within_one_step(got, want_scaled):
@@ -328,11 +329,13 @@ def _differentiable_cases(dtype, with_sinks, lse_base):
 
     two = states(dtype, requires_grad=True)
     stack = [randn(3, T, H, D, dtype=dtype).requires_grad_(), randn(3, H, T, scale=3).requires_grad_()]
+    # Few rows of many states: the value pass given the forward's merged LSE, saved for it.
+    many = [randn(40, T, H, D, dtype=dtype).requires_grad_(), randn(40, H, T, scale=3).requires_grad_()]
     counts = [3, 0, 1, 6, 2]
     indptr = torch.tensor(counts_to_indptr(counts), device="cuda")
     ragged = [randn(sum(counts) + 1, H, D, dtype=dtype).requires_grad_(),  # a last row no token owns
               randn(H, sum(counts) + 1, scale=3).requires_grad_()]  # fmt: skip
-    sinks = [fresh_sinks() for _ in range(3)]
+    sinks = [fresh_sinks() for _ in range(4)]
     z = [host(x) for x in sinks]
 
     def two_way(v_a, s_a, v_b, s_b, sinks):
@@ -344,6 +347,9 @@ def _differentiable_cases(dtype, with_sinks, lse_base):
     def varlen(v, s, sinks):
         return cm.merge_states_varlen(v, s, indptr, sinks=sinks, lse_base=lse_base)
 
+    def many_states(v, s, sinks):
+        return cm.merge_states(v, s, sinks=sinks, lse_base=lse_base)
+
     return [
         (two_way, [*two, sinks[0]], lambda gv, gs: reference.merge_state_backward(
             *(host(x) for x in two), gv, gs, sinks=z[0], lse_base=lse_base)),
@@ -351,6 +357,8 @@ def _differentiable_cases(dtype, with_sinks, lse_base):
             *(host(x) for x in stack), gv, gs, sinks=z[1], lse_base=lse_base)),
         (varlen, [*ragged, sinks[2]], lambda gv, gs: reference.merge_states_varlen_backward(
             *(host(x) for x in ragged), host(indptr).astype(np.int64), gv, gs, sinks=z[2], lse_base=lse_base)),
+        (many_states, [*many, sinks[3]], lambda gv, gs: reference.merge_states_backward(
+            *(host(x) for x in many), gv, gs, sinks=z[3], lse_base=lse_base)),
     ]  # fmt: skip
 
 
@@ -367,8 +375,12 @@ def _check_gradients(dtype, with_sinks, lse_base, compile_it):
         for index, (tensor, grad) in enumerate(zip(given, wanted)):
             assert tensor.grad is not None, f"{fn.__name__}: no gradient for input {index}"
             assert tensor.grad.dtype == tensor.dtype
-            # As test_gpu_backward.py: every gradient to the precision of the values' dtype.
-            check(tensor.grad, grad, dtype, f"{fn.__name__}: gradient of input {index}")
+            # As test_gpu_backward.py: every gradient to the precision of the values' dtype; given
+            # the merge's results (few rows of many states), the LSE and sinks' gradients carry the
+            # rounding of its 16-bit output (GIVEN_TOLERANCE there).
+            loose = fn.__name__ == "many_states" and index > 0 and dtype != torch.float32
+            check(tensor.grad, grad, dtype, f"{fn.__name__}: gradient of input {index}",
+                  GIVEN_TOLERANCE if loose else None)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

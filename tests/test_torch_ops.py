@@ -169,19 +169,21 @@ def _grads(arrays, likes, sinks):
     return (*result, None if sinks is None else _tensor(arrays[-1], torch.float32))
 
 
-def _cpu_merge_state_backward(v_a, s_a, v_b, s_b, grad_v, grad_s=None, *, sinks=None, lse_base="e"):
+def _cpu_merge_state_backward(v_a, s_a, v_b, s_b, grad_v, grad_s=None, *, out=None, out_lse=None, sinks=None,
+                              lse_base="e"):  # fmt: skip
     g = reference.merge_state_backward(_np(v_a), _np(s_a), _np(v_b), _np(s_b), _np(grad_v), _np(grad_s),
                                        sinks=_np(sinks), lse_base=_base(lse_base))  # fmt: skip
     return _grads(g, (v_a, s_a, v_b, s_b), sinks)
 
 
-def _cpu_merge_states_backward(v, s, grad_v, grad_s=None, *, sinks=None, lse_base="e"):
+def _cpu_merge_states_backward(v, s, grad_v, grad_s=None, *, out=None, out_lse=None, sinks=None, lse_base="e"):
     g = reference.merge_states_backward(_np(v), _np(s), _np(grad_v), _np(grad_s), sinks=_np(sinks),
                                         lse_base=_base(lse_base))  # fmt: skip
     return _grads(g, (v, s), sinks)
 
 
-def _cpu_merge_states_varlen_backward(v, s, indptr, grad_v, grad_s=None, *, sinks=None, lse_base="e"):
+def _cpu_merge_states_varlen_backward(v, s, indptr, grad_v, grad_s=None, *, out=None, out_lse=None, sinks=None,
+                                      lse_base="e"):  # fmt: skip
     g = reference.merge_states_varlen_backward(_np(v), _np(s), indptr.numpy(), _np(grad_v), _np(grad_s),
                                                sinks=_np(sinks), lse_base=_base(lse_base))  # fmt: skip
     return _grads(g, (v, s), sinks)
@@ -805,6 +807,8 @@ def test_a_compiled_training_graph_holds_the_forward_and_backward_ops(cpu_kernel
     forward, backward = ([str(n.target) for n in g.graph.nodes if n.op == "call_function"] for g in graphs)
     assert "cupy_merge.merge_states.default" in forward
     assert "cupy_merge.merge_states_backward.default" in backward
+    (gradient,) = (n for n in graphs[1].graph.nodes if str(n.target) == "cupy_merge.merge_states_backward.default")
+    assert {"out", "out_lse"} <= set(gradient.kwargs)  # the forward's results, saved for it
     torch.testing.assert_close(v.grad.sum(0), torch.ones(T, H, D))  # a token's weights sum to 1
 
 
