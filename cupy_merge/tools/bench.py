@@ -5,7 +5,8 @@ merges, FP8 outputs (per-tensor and group scales), the same with attention sinks
 gradients. All times are CUDA-event medians in microseconds, after warm-up, with the L2 flushed
 before each repetition (cupy_merge/tools/timing.py), measured in one run:
 
-  merge_us         this library, native layout (the gradients as a user calls them, allocating)
+  merge_us         this library, native layout (the gradients as autograd calls them: allocating,
+                   given the merge's results out and out_lse)
   copy_us          a device-to-device copy moving the same bytes (read + write): the ceiling
   pct_of_copy      100 * copy_us / merge_us;  gbps: bytes moved / merge_us;  mbytes: the bytes
   torch_us         the same formula in eager torch, where there is one (FP8: and its quantisation)
@@ -13,8 +14,10 @@ before each repetition (cupy_merge/tools/timing.py), measured in one run:
   graph_us         the merge replayed from a torch CUDA graph (two-way): no host cost
   chained_us       an N-way merge as chained two-way merges (up to 64 states)
   unfused_us       FP8: a merge to bfloat16, then a separate one-pass per-tensor quantisation
-  baseline_us      sinks rows: the same merge without sinks, timed alternately with it;
-  overhead_pct     100 * (merge_us - baseline_us) / baseline_us, the sinks' cost
+  baseline_us      sinks rows: the same merge without sinks, timed alternately with it; gradient
+                   rows: the gradients without the merge's results (S recomputed from the LSEs)
+  overhead_pct     100 * (merge_us - baseline_us) / baseline_us, the sinks' cost (gradients: below 0,
+                   what the merge's results save)
   flashinfer_us    with --flashinfer: FlashInfer's kernel on its own layout (token-major, base-2 LSE)
   cm_fi_layout_us  this library on FlashInfer's layout (strided views, lse_base=2)
   fi_over_cm       flashinfer_us / the better of merge_us and cm_fi_layout_us: above 1, ours is faster
@@ -538,7 +541,12 @@ def _two_way_sinks(ctx: Context, case: Case) -> dict:
 def _two_way_backward(ctx: Context, case: Case) -> dict:
     v_a, s_a, v_b, s_b = _two_way_inputs(ctx, case)
     grad_v, grad_s = _randn(ctx, v_a.shape, case.dtype), _randn(ctx, s_a.shape, "float32")
-    return {"merge_us": _us(lambda: merge_state_backward(v_a, s_a, v_b, s_b, grad_v, grad_s))}
+    out, out_lse = merge_state(v_a, s_a, v_b, s_b)
+    given, recomputed = _paired_us(
+        lambda: merge_state_backward(v_a, s_a, v_b, s_b, grad_v, grad_s, out=out, out_lse=out_lse),
+        lambda: merge_state_backward(v_a, s_a, v_b, s_b, grad_v, grad_s),
+    )
+    return {"merge_us": given, "baseline_us": recomputed}
 
 
 def _n_way_inputs(ctx: Context, case: Case):
@@ -579,7 +587,12 @@ def _n_way_sinks(ctx: Context, case: Case) -> dict:
 def _n_way_backward(ctx: Context, case: Case) -> dict:
     v, s = _n_way_inputs(ctx, case)
     grad_v, grad_s = _randn(ctx, v.shape[1:], case.dtype), _randn(ctx, s.shape[1:], "float32")
-    return {"merge_us": _us(lambda: merge_states_backward(v, s, grad_v, grad_s))}
+    out, out_lse = merge_states(v, s)
+    given, recomputed = _paired_us(
+        lambda: merge_states_backward(v, s, grad_v, grad_s, out=out, out_lse=out_lse),
+        lambda: merge_states_backward(v, s, grad_v, grad_s),
+    )
+    return {"merge_us": given, "baseline_us": recomputed}
 
 
 def _ragged_inputs(ctx: Context, case: Case):
@@ -617,7 +630,12 @@ def _ragged_backward(ctx: Context, case: Case) -> dict:
     v, s, indptr = _ragged_inputs(ctx, case)
     grad_v = _randn(ctx, (case.tokens, case.heads, case.head_size), case.dtype)
     grad_s = _randn(ctx, (case.heads, case.tokens), "float32")
-    return {"merge_us": _us(lambda: merge_states_varlen_backward(v, s, indptr, grad_v, grad_s))}
+    out, out_lse = merge_states_varlen(v, s, indptr, check_indptr=False)
+    given, recomputed = _paired_us(
+        lambda: merge_states_varlen_backward(v, s, indptr, grad_v, grad_s, out=out, out_lse=out_lse),
+        lambda: merge_states_varlen_backward(v, s, indptr, grad_v, grad_s),
+    )
+    return {"merge_us": given, "baseline_us": recomputed}
 
 
 _QUANTISE = r"""

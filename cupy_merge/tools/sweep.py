@@ -62,24 +62,31 @@ MANY_VARIANTS = {
     "pdl": {"programmatic_launch": True},
 }
 
-#: The gradient's cases, as MANY_CASES; its variants against one group and one block a row (the
-#: first column: session 12's kernel, and the error's reference).
+#: The gradient's cases, as MANY_CASES, each given the merge's results (``out``, ``out_lse``); its
+#: variants against the kernel that recomputes S (the first column, and the error's reference),
+#: its own variants recomputing too.
 BACKWARD_CASES = [
+    (2, 4096, 32, 128), (4, 4096, 32, 128),
     (1024, 1, 32, 128), (4096, 1, 32, 128), (256, 8, 32, 128), (64, 64, 32, 128), (16, 64, 32, 128),
     (8, 256, 32, 128), (16, 1024, 32, 128), (8, 4096, 32, 128), (16, 2048, 8, 128),
     (-8, 64, 32, 128), (-8, 512, 32, 128), (-8, 4096, 32, 128), (-100, 64, 32, 128), (-500, 8, 32, 128),
 ]  # fmt: skip
+_RECOMPUTE = {"backward_from_output_states": 2**62}
 BACKWARD_VARIANTS = {
-    "one-block": {"backward_groups": 1, "backward_split_chunks": 2**62},
+    "recompute": _RECOMPUTE,
     "default": {},
-    "no-splits": {"backward_split_chunks": 2**62},
-    "split1": {"backward_split_chunks": 1},
+    "given-all": {"backward_from_output_states": 2, "backward_from_output_rows": 2**62},  # every case
+    "given-1pack": {"backward_from_output_two_pack_rows": 2**62},
+    "given-2pack": {"backward_from_output_two_pack_rows": 0},
     "busy2x": {"backward_busy_threads": 2 * _tuning.DEFAULT.backward_busy_threads},
     "busy4x": {"backward_busy_threads": 4 * _tuning.DEFAULT.backward_busy_threads},
-    "two-packs": {"backward_two_pack_rows": 0},
-    "fold1": {"backward_fold": 1},  # a dependent load a state, as session 13's fold
-    "fold4": {"backward_fold": 4},
-    "no-prefetch": {"backward_prefetch": False},
+    "one-block": {**_RECOMPUTE, "backward_groups": 1, "backward_split_chunks": 2**62},
+    "no-splits": {**_RECOMPUTE, "backward_split_chunks": 2**62},
+    "split1": {**_RECOMPUTE, "backward_split_chunks": 1},
+    "two-packs": {**_RECOMPUTE, "backward_two_pack_rows": 0},
+    "fold1": {**_RECOMPUTE, "backward_fold": 1},  # a dependent load a state, as session 13's fold
+    "fold4": {**_RECOMPUTE, "backward_fold": 4},
+    "no-prefetch": {**_RECOMPUTE, "backward_prefetch": False},
 }
 
 
@@ -162,10 +169,15 @@ def sweep_many(rng, variants: dict = MANY_VARIANTS) -> list:
 
 
 def sweep_backward(rng, variants: dict = BACKWARD_VARIANTS) -> list:
+    """The bytes a case counts are those of the kernel that recomputes S (without ``out`` and
+    ``out_lse``), so that the columns compare times."""
+
     def setup(v, s, indptr, tokens, heads, head_size):
         grad = cupy.asarray(rng.standard_normal((tokens, heads, head_size), dtype=numpy.float32)).astype(v.dtype)
         grad_s = cupy.asarray(rng.standard_normal((heads, tokens), dtype=numpy.float32))
-        return 2 * (v.nbytes + s.nbytes) + grad.nbytes + grad_s.nbytes, _backward_run(v, s, indptr, grad, grad_s)
+        results = _many_run(v, s, indptr, None, None)()
+        nbytes = 2 * (v.nbytes + s.nbytes) + grad.nbytes + grad_s.nbytes
+        return nbytes, _backward_run(v, s, indptr, grad, grad_s, results)
 
     return _sweep_states(rng, BACKWARD_CASES, variants, setup)
 
@@ -182,10 +194,11 @@ def _sweep_states(rng, cases: list, variants: dict, setup) -> list:
     return rows
 
 
-def _backward_run(v, s, indptr, grad, grad_s):
+def _backward_run(v, s, indptr, grad, grad_s, results):
+    out, out_lse = results
     if indptr is None:
-        return lambda: merge_states_backward(v, s, grad, grad_s)[:2]
-    return lambda: merge_states_varlen_backward(v, s, indptr, grad, grad_s)[:2]
+        return lambda: merge_states_backward(v, s, grad, grad_s, out=out, out_lse=out_lse)[:2]
+    return lambda: merge_states_varlen_backward(v, s, indptr, grad, grad_s, out=out, out_lse=out_lse)[:2]
 
 
 def _many_run(v, s, indptr, out, out_lse):
