@@ -513,8 +513,8 @@ class BackwardRows(NamedTuple):
     ``short`` 2 or 4 for dense rows of exactly 2 or at most 4 states held whole in registers (0:
     longer rows), ``lanes`` threads a row (a power of two up to 32), ``groups`` of threads of a
     block its states are split over (1, 2 or 4), a chunk of states at a time each, and ``splits``
-    blocks that take a share of the row's states each (then a finishing launch writes the LSE
-    gradients)."""
+    blocks that take a share of the row's states each (recomputing S: then a finishing launch
+    writes the LSE gradients; given the merge's results, none)."""
 
     held: int
     short: int
@@ -622,8 +622,9 @@ def plan_backward(
     rows_y = BACKWARD_THREADS // (lanes * groups)
     block = (lanes, rows_y, groups)
     token_blocks = -(-rows // rows_y)
-    # Rows no ragged token owns may be any of the batch's: the launch that zeroes them (the only
-    # one, or a split plan's finishing launch) takes blocks enough for them too.
+    # Rows no ragged token owns may be any of the batch's: the launch that zeroes them takes blocks
+    # enough for them too (a split plan's finishing launch; the launch given the results when it
+    # does not split: split, every block of its splits takes a share of them).
     zeroing_blocks = token_blocks
     if ragged:
         zeroing_blocks = max(token_blocks, _zeroing_blocks(num_states * num_heads, rows_y * groups))

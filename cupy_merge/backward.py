@@ -8,8 +8,8 @@ and incoming gradients ``dV`` (of ``V``) and ``dS`` (of ``S``)::
     dz   = sum over tokens of w_z (dS - <dV, V>),   w_z = exp(z - S)
 
 A state of weight zero gets zero gradients, never NaN, even when its values are
-NaN. The kernel recomputes ``S`` from the LSEs, so nothing of the forward merge
-needs to be kept but its inputs. Given the merge's results too (``out``,
+NaN. Without more, the kernel recomputes ``S`` from the LSEs and sums ``<dV, V>``
+over the inputs in float32. Given the merge's results too (``out``,
 ``out_lse``, as it returned them), few rows of many states take a kernel whose
 states are independent (``S`` read, ``<dV, V>`` from ``out``: no fold of a row's
 LSEs and no sum over its states first, any share of them in any block), several

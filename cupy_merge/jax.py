@@ -20,8 +20,9 @@ where the layout allows it (one launch), and maps over the batch otherwise.
 
 ``jax.grad`` and ``jax.value_and_grad`` differentiate the merges (a ``jax.custom_vjp``
 around the batched merge): the backward is cupy-merge's backward kernel, planned and
-compiled when JAX traces it and launched like the merges, from the merge's inputs alone
-(it recomputes the weights). Its ``vmap`` folds batches as the merge does.
+compiled when JAX traces it and launched like the merges, from the merge's inputs (an N-way
+or ragged merge's results too, which few rows of many states read instead of recomputing
+the weights). Its ``vmap`` folds batches as the merge does.
 
 Importing this module does not import JAX: it registers the JAX path of
 ``cupy_merge``'s merges and loads JAX on first use.
@@ -445,7 +446,7 @@ def _batched(cfg: _Config):
 def _differentiable(cfg: _Config):
     """:func:`_batched` with its derivative: ``jax.custom_vjp`` outside the ``custom_vmap`` (the
     order JAX requires), whose backward runs the merge's backward kernel (:func:`_vjp_backward`)
-    from the merge's inputs and its results (its residuals)."""
+    from the merge's inputs (and an N-way or ragged merge's results: its residuals)."""
     jax = _jax().jax
     function = jax.custom_vjp(_batched(cfg))
     function.defvjp(functools.partial(_vjp_forward, cfg), functools.partial(_vjp_backward, cfg))
@@ -462,7 +463,7 @@ def _vjp_forward(cfg: _Config, *arrays: Any) -> tuple:
             f"apply jax.lax.stop_gradient to its inputs"
         )
     results = _once_differentiable(cfg)(*arrays)
-    return results, (arrays, tuple(results[:2]))
+    return results, (arrays, tuple(results[:2]) if cfg.operation.many else None)
 
 
 @functools.cache
@@ -477,8 +478,8 @@ def _once_differentiable(cfg: _Config):
 
 def _vjp_backward(cfg: _Config, residuals: tuple, cotangents: tuple) -> tuple:
     """The gradients of every operand of ``cfg`` (None for offsets and masks): one backward kernel,
-    an N-way merge's given its results (rows of three states or more then skip recomputing them)."""
-    arrays, (merged, merged_lse) = residuals
+    an N-way or ragged merge's given its results (which few rows of many states read)."""
+    arrays, results = residuals
     given = dict(zip(cfg.fields, arrays))
     grad_out, grad_lse = cotangents[0], cotangents[1]
     options = _checks.backward_options(lse_base=2 if cfg.options.lse_base_2 else "e")
@@ -492,7 +493,7 @@ def _vjp_backward(cfg: _Config, residuals: tuple, cotangents: tuple) -> tuple:
         else:
             operation, fields = _MERGE_STATES_BACKWARD, ("v", "s", "grad_out", "grad_lse")
         fields += ("merged", "merged_lse")
-        values = dict(given, grad_out=grad_out, grad_lse=grad_lse, merged=merged, merged_lse=merged_lse)
+        values = dict(given, grad_out=grad_out, grad_lse=grad_lse, merged=results[0], merged_lse=results[1])
         grads = _backward_call(operation, options, cfg.tuning, fields + sinks, values)
         named = {"v": grads[0], "s": grads[1], "sinks": grads[2] if sinks else None}
     return tuple(named.get(field) for field in cfg.fields)
@@ -986,8 +987,10 @@ def _rule_varlen_backward(cfg: _Config, size: int, in_batched: list, *args: Any)
         elif field in ("grad_out", "merged"):
             folded.append(_fold_rows(_pad_token(_broadcast(x, batched[field], size), "th"), True, size))
         else:  # grad_lse, merged_lse (the extra tokens' 0: their rows' empty LSEs give weights of 0)
-            padded = _pad_token(_broadcast(x, batched[field], size), layout)
-            folded.append(_lse_token_major(padded, layout, True, size))
+            x = _broadcast(x, batched[field], size)
+            if field == "merged_lse":  # offsets out of range merged to NaN; folded, their rows are -inf
+                x = jnp.where(valid[:, :, None] if layout == "th" else valid[:, None, :], x, -jnp.inf)
+            folded.append(_lse_token_major(_pad_token(x, layout), layout, True, size))
     layouts = tuple(
         "th" if field in ("s", "grad_lse", "merged_lse") else lay for field, lay in zip(cfg.fields, cfg.layouts)
     )

@@ -357,8 +357,8 @@ def test_every_split_of_a_rows_states_over_groups_follows_the_reference(rng, gro
 ])  # fmt: skip
 def test_rows_split_over_blocks_follow_the_reference(rng, split_chunks, lse_base, num_states, tokens, heads,
                                                      head_size, dtype):  # fmt: skip
-    """Few rows of many states: each block takes a share of a row's states, a finishing launch
-    writes the LSE gradients and the sinks'."""
+    """Few rows of many states: each block takes a share of a row's states (recomputing: then a
+    finishing launch writes the LSE gradients and the sinks'; given the results: one launch)."""
     from cupy_merge import _tuning
 
     v = to_device(rng.standard_normal((num_states, tokens, heads, head_size)), dtype)

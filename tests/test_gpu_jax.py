@@ -881,7 +881,8 @@ def test_a_jitted_gradient_replays_with_new_data_in_and_out_of_cuda_graphs(flags
 def test_vmapped_gradients_of_rows_of_many_states_fold_the_merges_results_too(rng, dtype):
     """Rows of many states take the gradient kernel given the merge's results; under vmap the
     results fold with the cotangents (dense: one token a batch element, folded into the tokens;
-    ragged: the batches' rows back to back), so each batch element's gradients are its own."""
+    ragged: the batches' rows back to back, a token of offsets out of range given an empty merged
+    LSE), so each batch element's gradients are its own."""
     v = _device(rng.standard_normal((3, 40, 1, 8, 64)), dtype)  # [B, N, T=1, H, D]: folded
     s = jnp.asarray(_lse(rng, 3, 40, 8, 1))
     out_weight, lse_weight = _weights(rng, (1, 8, 64), dtype), _weights(rng, (8, 1))
@@ -892,14 +893,17 @@ def test_vmapped_gradients_of_rows_of_many_states_fold_the_merges_results_too(rn
         _expect_grads(jax.jit(transform)(v, s), want, "vs", dtype, given_results=True)
     rows = _device(rng.standard_normal((3, 90, 8, 64)), dtype)  # ragged, ~30 rows a token
     rows_lse = jnp.asarray(_lse(rng, 3, 8, 90))
-    indptr = jnp.array([[0, 30, 31, 70], [0, 0, 45, 90], [2, 22, 60, 88]], jnp.int32)
+    # Batch element 1's last token has offsets out of range (merged to NaN): its rows get zeros,
+    # as unbatched, and the reference sees it empty.
+    indptr = jnp.array([[0, 30, 31, 70], [0, 0, 45, 200], [2, 22, 60, 88]], jnp.int32)
+    in_range = np.array([[0, 30, 31, 70], [0, 0, 45, 45], [2, 22, 60, 88]])
     out_weight, lse_weight = _weights(rng, (3, 8, 64), dtype), _weights(rng, (8, 3))
     loss = _linear_loss(lambda a, b, c: cmj.merge_states_varlen(a, b, c, check_indptr=False), out_weight, lse_weight)
     want = []
     for b in range(3):  # the reference wants offsets from 0: rows before the first are zeros
-        first = int(indptr[b, 0])
+        first = int(in_range[b, 0])
         grads = reference.merge_states_varlen_backward(_host(rows[b])[first:], _host(rows_lse[b])[:, first:],
-                                                       np.asarray(indptr[b]) - first, _host(out_weight),
+                                                       in_range[b] - first, _host(out_weight),
                                                        _host(lse_weight))  # fmt: skip
         want.append((np.pad(grads[0], ((first, 0), (0, 0), (0, 0))), np.pad(grads[1], ((0, 0), (first, 0)))))
     want = [np.stack(column) for column in zip(*want)]

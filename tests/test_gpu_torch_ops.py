@@ -329,7 +329,7 @@ def _differentiable_cases(dtype, with_sinks, lse_base):
 
     two = states(dtype, requires_grad=True)
     stack = [randn(3, T, H, D, dtype=dtype).requires_grad_(), randn(3, H, T, scale=3).requires_grad_()]
-    # Few rows of many states: the value pass given the forward's merged LSE, saved for it.
+    # Few rows of many states: the gradient kernel given the forward's results, saved for it.
     many = [randn(40, T, H, D, dtype=dtype).requires_grad_(), randn(40, H, T, scale=3).requires_grad_()]
     counts = [3, 0, 1, 6, 2]
     indptr = torch.tensor(counts_to_indptr(counts), device="cuda")

@@ -1131,3 +1131,35 @@ def test_the_benchmark_and_the_example_say_why_they_skip_without_a_cuda_jax():
     example = pathlib.Path(__file__).resolve().parent.parent / "examples" / "jax_split_kv_decode.py"
     done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, check=False)
     assert done.returncode == 0 and "no CUDA device" in done.stdout, done.stdout + done.stderr
+
+
+def test_the_ragged_vmap_rule_gives_a_token_of_offsets_out_of_range_an_empty_merged_lse(monkeypatch):
+    """Folded under vmap, a token of offsets out of range looks in range (its offsets clipped) and
+    its rows are handed over with empty LSEs; its merged LSE, NaN from the merge, must be empty
+    too, or the kernel that reads it would give those rows NaN gradients instead of zeros."""
+    from cupy_merge.backward import _MERGE_STATES_VARLEN_BACKWARD
+
+    batch, rows, tokens, heads, head_size = 2, 12, 3, 2, 8
+    folded = {}
+
+    def backward_of(cfg):
+        def gradients(*arrays):
+            folded.update(zip(cfg.fields, arrays))
+            return jnp.zeros((batch * rows, heads, head_size)), jnp.zeros((batch * rows, heads))
+
+        return gradients
+
+    monkeypatch.setattr(cmj, "_backward_batched", backward_of)
+    fields = ("v", "s", "indptr", "grad_out", "grad_lse", "merged", "merged_lse")
+    layouts = ("", "ht", "", "", "ht", "", "ht")
+    cfg = cmj._Config(_MERGE_STATES_VARLEN_BACKWARD, cm._checks.backward_options(), _tuning.DEFAULT, fields, layouts)
+    indptr = jnp.array([[0, 4, 8, 12], [0, 5, 9, 40]], jnp.int32)  # batch element 1's last token: past the rows
+    merged_lse = jnp.ones((batch, heads, tokens)).at[1, :, 2].set(jnp.nan)
+    args = (jnp.ones((batch, rows, heads, head_size)), jnp.ones((batch, heads, rows)), indptr,
+            jnp.ones((batch, tokens, heads, head_size)), jnp.ones((batch, heads, tokens)),
+            jnp.ones((batch, tokens, heads, head_size)), merged_lse)  # fmt: skip
+    cmj._rule_varlen_backward(cfg, batch, [True] * len(fields), *args)
+    lse = np.asarray(folded["merged_lse"])  # token-major, a padded token a batch element: [B * (T + 1), H]
+    assert lse.shape == (batch * (tokens + 1), heads) and not np.isnan(lse).any()
+    assert (lse[tokens + 1 + 2] == -np.inf).all()  # batch element 1, token 2
+    assert (lse[[0, 1, 2, tokens + 1, tokens + 2]] == 1).all()  # the tokens in range keep theirs
