@@ -624,24 +624,33 @@ def check_backward(
             ManyStateOperands(None, None, names.v, names.s, names.indptr),
         )
     like = names.v
-    grad_out = specs.grad_out
-    expect_ndim(grad_out, 3, names.grad_out, VALUES_LAYOUT)
-    expect_value_dtype(grad_out, names.grad_out)
-    expect_shape(grad_out, (state.num_tokens, state.num_heads, state.head_size), names.grad_out,
-                 f"{VALUES_LAYOUT} of the merge of {like}")  # fmt: skip
-    expect_unit_last_stride(grad_out, names.grad_out)
-    expect_device(grad_out, state.device, names.grad_out, like)
-    expect_aligned(grad_out, names.grad_out)
+    _expect_token_values(specs.grad_out, names.grad_out, state, like)
+    expect_value_dtype(specs.grad_out, names.grad_out)
     if specs.grad_lse is not None:
-        expect_ndim(specs.grad_lse, 2, names.grad_lse, LSE_LAYOUT)
-        expect_float32(specs.grad_lse, names.grad_lse)
-        expect_lse_shape(specs.grad_lse, (state.num_heads, state.num_tokens), names.grad_lse, like)
-        expect_device(specs.grad_lse, state.device, names.grad_lse, like)
-        expect_aligned(specs.grad_lse, names.grad_lse)
+        _expect_token_lse(specs.grad_lse, names.grad_lse, state, like)
     if specs.sinks is not None:
         expect_sinks(specs.sinks, state.num_heads, state.device, names.sinks, like)
     _check_merge_results(specs, names, state)
     return state, num_states
+
+
+def _expect_token_values(spec: ArraySpec, name: str, state: StateShape, like: str) -> None:
+    """A gradient's array of one row of values a token: ``[num_tokens, num_heads, head_size]``."""
+    expect_ndim(spec, 3, name, VALUES_LAYOUT)
+    expect_shape(spec, (state.num_tokens, state.num_heads, state.head_size), name,
+                 f"{VALUES_LAYOUT} of the merge of {like}")  # fmt: skip
+    expect_unit_last_stride(spec, name)
+    expect_device(spec, state.device, name, like)
+    expect_aligned(spec, name)
+
+
+def _expect_token_lse(spec: ArraySpec, name: str, state: StateShape, like: str) -> None:
+    """A gradient's array of one LSE a token: float32 ``[num_heads, num_tokens]``."""
+    expect_ndim(spec, 2, name, LSE_LAYOUT)
+    expect_float32(spec, name)
+    expect_lse_shape(spec, (state.num_heads, state.num_tokens), name, like)
+    expect_device(spec, state.device, name, like)
+    expect_aligned(spec, name)
 
 
 def _check_merge_results(specs: BackwardOperands, names: BackwardOperands, state: StateShape) -> None:
@@ -653,22 +662,13 @@ def _check_merge_results(specs: BackwardOperands, names: BackwardOperands, state
     if merged is None or merged_lse is None:
         given, missing = (names.merged, names.merged_lse) if merged is not None else (names.merged_lse, names.merged)
         raise ValueError(f"{missing}: expected it with {given} (the merge's results, both or neither), got None")
-    grad_out = specs.grad_out
-    expect_ndim(merged, 3, names.merged, VALUES_LAYOUT)
-    if merged.dtype != grad_out.dtype:
+    _expect_token_values(merged, names.merged, state, names.v)
+    if merged.dtype != specs.grad_out.dtype:
         raise TypeError(
-            f"{names.merged}: expected the dtype of {names.grad_out} ({grad_out.dtype}), the merge's output "
+            f"{names.merged}: expected the dtype of {names.grad_out} ({specs.grad_out.dtype}), the merge's output "
             f"dtype, got {merged.dtype}"
         )
-    expect_shape(merged, tuple(grad_out.shape), names.merged, f"{VALUES_LAYOUT}, as {names.grad_out}")
-    expect_unit_last_stride(merged, names.merged)
-    expect_device(merged, state.device, names.merged, names.v)
-    expect_aligned(merged, names.merged)
-    expect_ndim(merged_lse, 2, names.merged_lse, LSE_LAYOUT)
-    expect_float32(merged_lse, names.merged_lse)
-    expect_lse_shape(merged_lse, (state.num_heads, state.num_tokens), names.merged_lse, names.v)
-    expect_device(merged_lse, state.device, names.merged_lse, names.v)
-    expect_aligned(merged_lse, names.merged_lse)
+    _expect_token_lse(merged_lse, names.merged_lse, state, names.v)
 
 
 # -- FP8 outputs ----------------------------------------------------------------------------------
