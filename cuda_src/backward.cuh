@@ -3,6 +3,7 @@
 #pragma once
 
 #include "conversions.cuh"
+#include "grid.cuh"
 #include "packs.cuh"
 #include "ragged.cuh"
 
@@ -60,6 +61,38 @@ struct StatePointers {
   }
   __device__ __forceinline__ T* at(Index i) const { return i == 0 ? first : rest + (i - 1) * stride; }
 };
+
+// A row's token and head, and its states: 0 .. count - 1 from `first` (ragged: rows of the batch,
+// none for a row past the last or a token whose offsets are out of range, `bad`).
+template <typename Index>
+struct BackwardRow {
+  Index token, head, first, count;
+  bool bad;
+};
+
+template <bool RAGGED, typename Index>
+__device__ __forceinline__ BackwardRow<Index> backward_row(Index row, bool valid, Index heads, long long head_multiplier,
+                                                           long long head_shift, const void* indptr, long long indptr_bytes,
+                                                           long long indptr_stride, long long num_states,
+                                                           Index dense_count) {
+  BackwardRow<Index> r;
+  if constexpr (sizeof(Index) == 4) {
+    r.token = fast_divide(row, static_cast<unsigned>(head_multiplier), static_cast<unsigned>(head_shift));
+  } else {
+    r.token = row / heads;
+  }
+  r.head = row - r.token * heads;
+  r.first = 0;
+  r.count = dense_count;
+  r.bad = false;
+  if constexpr (RAGGED) {
+    const RaggedRow ragged = ragged_row(indptr, indptr_bytes, indptr_stride, r.token, num_states);
+    r.first = static_cast<Index>(ragged.first);
+    r.count = valid ? static_cast<Index>(ragged.count) : 0;
+    r.bad = ragged.bad;
+  }
+  return r;
+}
 
 // w dV as TIn, and `partial` += this lane's part of <dV, V_i> over one pack.
 template <typename TIn, int VEC>

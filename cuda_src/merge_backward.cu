@@ -172,21 +172,10 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
        block_row += static_cast<Index>(gridDim.x) * blockDim.y) {
     const bool valid = block_row + static_cast<Index>(threadIdx.y) < rows;
     const Index row = valid ? block_row + static_cast<Index>(threadIdx.y) : rows - 1;
-    Index token;
-    if constexpr (sizeof(Index) == 4) {
-      token = fast_divide(row, static_cast<unsigned>(head_multiplier), static_cast<unsigned>(head_shift));
-    } else {
-      token = row / heads;
-    }
-    const Index head = row - token * heads;
-    Index first = 0, count = SHORT == 2 ? 2 : static_cast<Index>(num_states);
-    bool bad = false;
-    if constexpr (RAGGED) {
-      const RaggedRow ragged = ragged_row(indptr, indptr_bytes, indptr_stride, token, num_states);
-      first = static_cast<Index>(ragged.first);
-      count = valid ? static_cast<Index>(ragged.count) : 0;
-      bad = ragged.bad;
-    }
+    const BackwardRow<Index> at = backward_row<RAGGED>(row, valid, heads, head_multiplier, head_shift, indptr, indptr_bytes,
+                                                       indptr_stride, num_states, static_cast<Index>(SHORT == 2 ? 2 : num_states));
+    const Index token = at.token, head = at.head, first = at.first, count = at.count;
+    const bool bad = at.bad;
     // The states whose values this block takes: all of the row's, or split blockIdx.y's share (a
     // multiple of the chunk), `taken` from `from` on. The value work numbers them 0 .. taken - 1
     // (only the merged LSE and the finishing launch need the row's first and count), and every

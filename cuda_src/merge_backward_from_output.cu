@@ -76,21 +76,10 @@ __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, 
        block_row += static_cast<Index>(gridDim.x) * blockDim.y) {
     const bool valid = block_row + static_cast<Index>(threadIdx.y) < rows;
     const Index row = valid ? block_row + static_cast<Index>(threadIdx.y) : rows - 1;
-    Index token;
-    if constexpr (sizeof(Index) == 4) {
-      token = fast_divide(row, static_cast<unsigned>(head_multiplier), static_cast<unsigned>(head_shift));
-    } else {
-      token = row / heads;
-    }
-    const Index head = row - token * heads;
-    Index first = 0, count = static_cast<Index>(num_states);
-    bool bad = false;
-    if constexpr (RAGGED) {
-      const RaggedRow ragged = ragged_row(indptr, indptr_bytes, indptr_stride, token, num_states);
-      first = static_cast<Index>(ragged.first);
-      count = valid ? static_cast<Index>(ragged.count) : 0;
-      bad = ragged.bad;
-    }
+    const BackwardRow<Index> at = backward_row<RAGGED>(row, valid, heads, head_multiplier, head_shift, indptr, indptr_bytes,
+                                                       indptr_stride, num_states, static_cast<Index>(num_states));
+    const Index token = at.token, head = at.head, first = at.first, count = at.count;
+    const bool bad = at.bad;
     const Index loop_count = RAGGED ? warp_max(count) : count;  // every row of the warp loops this far
     const Index t0 = RAGGED ? 0 : token;  // a ragged token's offset is in its state index
     const auto lse_at = StatePointers<const float, Index>::of(s0, s1, t0, head, s0_stride_token, s0_stride_head,
