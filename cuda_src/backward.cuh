@@ -1,5 +1,6 @@
 // What the two gradient kernels share (merge_backward.cu, merge_backward_from_output.cu): the
-// block size, the weights, a row's sums, where a row's states are, and the zeroing of rows.
+// block size, the weights, a row's sums, where a row's states are, and the zeroing of rows; and
+// the recomputing kernel's chunks staged in shared memory.
 #pragma once
 
 #include "conversions.cuh"
@@ -60,6 +61,82 @@ struct StatePointers {
             static_cast<Index>(stride_state)};
   }
   __device__ __forceinline__ T* at(Index i) const { return i == 0 ? first : rest + (i - 1) * stride; }
+};
+
+// Copies global memory to shared without a register waiting on it (cp.async, sm_80 and newer):
+// a thread's copies form groups (commit_async), and wait_async<N> waits for all but its newest N
+// groups, after which the thread itself may read what they wrote.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+constexpr bool kCopiesAsync = false;
+#else
+constexpr bool kCopiesAsync = true;
+#endif
+
+// Whether rows of PACKS (1 or 2) held packs a lane stage their chunks of CHUNK states in shared
+// memory through cp.async (ASYNC: MERGE_ASYNC, the tuning's backward_async), rather than hold a
+// chunk in registers across its loads' wait: the long rows were latency-bound at the occupancy
+// their registers allow (sessions 12 and 14). Packs of 4, 8 or 16 bytes (what cp.async moves),
+// two chunks of them within 32 KiB (static shared memory stops at 48).
+template <bool ASYNC, typename TIn, int VEC, int PACKS, int CHUNK>
+constexpr bool kStaged = ASYNC && kCopiesAsync && PACKS > 0 &&
+                         (sizeof(TIn) * VEC == 4 || sizeof(TIn) * VEC == 8 || sizeof(TIn) * VEC == 16) &&
+                         2 * CHUNK * PACKS * kBackwardThreads * sizeof(TIn) * VEC <= 32768;
+
+template <int BYTES>
+__device__ __forceinline__ void copy_async(void* shared, const void* global) {
+  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async moves 4, 8 or 16 bytes");
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  if constexpr (BYTES == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(global) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(to), "l"(global), "n"(BYTES) : "memory");
+  }
+}
+
+__device__ __forceinline__ void commit_async() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void wait_async() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// A thread's two chunks in flight, staged through cp.async: CHUNK states' LSEs and the thread's
+// HELD packs of each one's values, in shared memory the kernel declares
+// (values [2][CHUNK][HELD][kBackwardThreads], lses [2][CHUNK][kBackwardThreads]), each read only
+// by the thread that staged it (so no barrier).
+template <typename InPack, int CHUNK, int HELD>
+struct StagedChunks {
+  static constexpr int kValueBytes = 2 * CHUNK * HELD * kBackwardThreads * static_cast<int>(sizeof(InPack));
+  static constexpr int kLses = 2 * CHUNK * kBackwardThreads;
+  InPack* values;
+  float* lses;
+  int thread;
+
+  __device__ __forceinline__ InPack* value_at(int stage, int j, int q) const {
+    return values + ((stage * CHUNK + j) * HELD + q) * kBackwardThreads + thread;
+  }
+  __device__ __forceinline__ float* lse_at(int stage, int j) const { return lses + (stage * CHUNK + j) * kBackwardThreads + thread; }
+  __device__ __forceinline__ InPack value(int stage, int j, int q) const { return *value_at(stage, j, q); }
+  __device__ __forceinline__ float lse(int stage, int j) const { return *lse_at(stage, j); }
+
+  // Copies the states state(0) .. state(CHUNK - 1) (their LSE, and this thread's packs `pack`
+  // of their values) into `stage` as one group; only an empty group where `any` is false.
+  template <typename TIn, typename Index, typename State>
+  __device__ __forceinline__ void copy(int stage, bool any, const State& state, const StatePointers<const float, Index>& lses_of,
+                                       const StatePointers<const TIn, Index>& values_of, const Index (&pack)[HELD]) const {
+    if (any) {
+#pragma unroll
+      for (int j = 0; j < CHUNK; ++j) {
+        const Index i = state(j);
+        copy_async<4>(lse_at(stage, j), lses_of.at(i));
+#pragma unroll
+        for (int q = 0; q < HELD; ++q) {
+          copy_async<sizeof(InPack)>(value_at(stage, j, q), reinterpret_cast<const InPack*>(values_of.at(i)) + pack[q]);
+        }
+      }
+    }
+    commit_async();
+  }
 };
 
 // A row's token and head, and its states: 0 .. count - 1 from `first` (ragged: rows of the batch,

@@ -37,6 +37,9 @@
 // takes a chunk at a time (kChunk). SHORT (2 or 4; 0 for longer rows): dense rows of exactly
 // 2 or at most 4 states, kept whole in registers.
 //
+// On sm_80 and newer a thread stages its chunks (rows that are not short) in shared memory through
+// cp.async, two in flight, instead of holding one in registers (kBackwardStaged).
+//
 // Session 11 (docs/PERF.md): the kernel was issue- and latency-bound, not memory-bound. Its
 // loads are unconditional (addresses clamped into the arrays, results of states past a row's
 // count unused), so that no value is zeroed or selected element by element.
@@ -51,6 +54,9 @@
 #endif
 #ifndef MERGE_PREFETCH
 #define MERGE_PREFETCH 1
+#endif
+#ifndef MERGE_ASYNC
+#define MERGE_ASYNC 1
 #endif
 
 namespace cupy_merge {
@@ -71,16 +77,28 @@ constexpr int kFold = PACKS == 2 && MERGE_FOLD > 2 ? 2 : MERGE_FOLD;
 // higher, but rows of two packs a lane spill with it and measured 1.5-5 points lower (session 14).
 template <int PACKS>
 constexpr bool kShareFold = PACKS != 2;
+// States loaded together (MERGE_CHUNK; short rows all of theirs). Ragged rows of two packs a lane
+// take 2: their rows are short and of uneven length, and 4 took 128 registers (session 12: 75-81 %
+// of the copy against 74-78; staged, 4 measured no faster, session 16).
+template <int PACKS, int SHORT, bool RAGGED>
+constexpr int kBackwardChunk = SHORT > MERGE_CHUNK ? SHORT : PACKS == 2 && RAGGED ? 2 : MERGE_CHUNK;
+// Whether a row's chunks are staged in shared memory (kStaged, backward.cuh): rows that are not short.
+template <typename TIn, int VEC, int PACKS, int SHORT, bool RAGGED>
+constexpr bool kBackwardStaged = kStaged<MERGE_ASYNC && SHORT == 0, TIn, VEC, PACKS, kBackwardChunk<PACKS, SHORT, RAGGED>>;
+// Staged, rows of two 16-byte packs a lane fit 5 blocks' registers without a spill (92 dense, 80
+// ragged; 128 and 96 with 20 bytes spilled holding the chunk, session 16).
 template <typename Index, int PACKS, int SHORT, bool RAGGED, typename TIn, int VEC>
 constexpr int kBackwardMinBlocks = sizeof(Index) != 4                                  ? 1
                                    : SHORT == 2 && sizeof(TIn) * VEC <= 16               ? 12
                                    : SHORT == 4 && sizeof(TIn) * VEC <= 16               ? 8
-                                   : PACKS == 2 && (!RAGGED || sizeof(TIn) * VEC > 16) ? 4
+                                   : PACKS == 2 && (!RAGGED || sizeof(TIn) * VEC > 16) &&
+                                         !kBackwardStaged<TIn, VEC, PACKS, SHORT, RAGGED> ? 4
                                                                                          : 5;
 
-// Asks L2 for the line holding `address` (no register waits on it). Rows that are not short
-// prefetch their next chunk as they load one (MERGE_PREFETCH, the tuning's backward_prefetch):
-// they were latency-bound at the occupancy their registers allow (session 14, ncu).
+// Asks L2 for the line holding `address` (no register waits on it). Rows whose chunks are held in
+// registers prefetch their next chunk as they load one (MERGE_PREFETCH, the tuning's
+// backward_prefetch): they were latency-bound at the occupancy their registers allow (session
+// 14, ncu). Staged rows do not: with two chunks staged it measured 1-5 points slower (session 16).
 __device__ __forceinline__ void prefetch_l2(const void* address) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(address));
 }
@@ -117,9 +135,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     long long finish) {
   static_assert(SHORT == 0 || (PACKS > 0 && !RAGGED), "short rows are dense, their packs held in registers");
   constexpr int kHeld = PACKS > 0 ? PACKS : 1;  // the packs a lane holds (PACKS 0: its first, unused)
-  // States loaded together. Ragged rows of two packs a lane take 2: their rows are short and of
-  // uneven length, and 4 took 128 registers (session 12: 75-81 % of the copy against 74-78).
-  constexpr int kChunk = SHORT > MERGE_CHUNK ? SHORT : PACKS == 2 && RAGGED ? 2 : MERGE_CHUNK;
+  constexpr int kChunk = kBackwardChunk<PACKS, SHORT, RAGGED>;
   using InPack = Pack<TIn, VEC>;
   using OutPack = Pack<TOut, VEC>;
   // State i's share w_i <dV, V_i> of <dV, V> and its weight, kept (until <dV, V> is known) by
@@ -132,8 +148,13 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
   // suffices (a group writes a row's part only after every group has passed a barrier of the
   // previous row, which follows their reads of the row before). Split and finishing launches
   // pass only the merged LSE's barrier, and use no shared memory where groups fold alone.
-  __shared__ GroupFold group_folds[2][SHORT ? 1 : kBackwardThreads];
+  __shared__ GroupFold group_folds[2][SHORT || !kShareFold<PACKS> ? 1 : kBackwardThreads];
   __shared__ float group_dots[2][SHORT ? 1 : kBackwardThreads];
+  // Rows that are not short: their chunks staged in shared memory, two in flight a thread.
+  constexpr bool kAsync = kBackwardStaged<TIn, VEC, PACKS, SHORT, RAGGED>;
+  using Stages = StagedChunks<InPack, kChunk, kHeld>;
+  __shared__ __align__(16) unsigned char staged_values[kAsync ? Stages::kValueBytes : 16];
+  __shared__ float staged_lses[kAsync ? Stages::kLses : 1];
   launch_dependents();
   const int lane = threadIdx.x;
   const int group = threadIdx.z, groups = blockDim.z;
@@ -283,7 +304,19 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
       }
     };
     const Index first_chunk = static_cast<Index>(group) * kSpan;  // 0 for short rows (one group)
-    if (PACKS && !finish && first_chunk < loop_count) load_chunk(first_chunk);
+    const Index chunk_step = static_cast<Index>(groups) * kSpan;
+    const Stages staged{reinterpret_cast<InPack*>(staged_values), staged_lses, thread};
+    auto stage_chunk = [&](Index i0, int stage) {  // kAsync: chunk i0 into `stage`
+      if constexpr (kAsync) staged.copy(stage, i0 < loop_count, [&](int j) { return loaded(i0 + j); }, lse_at, v_at, pack);
+    };
+    if constexpr (kAsync) {
+      if (!finish) {
+        stage_chunk(first_chunk, 0);
+        stage_chunk(first_chunk + chunk_step, 1);
+      }
+    } else if (PACKS && !finish && first_chunk < loop_count) {
+      load_chunk(first_chunk);
+    }
 
     if constexpr (SHORT > 0) {
       // The whole row in registers: S from its LSEs, every lane holding every state's
@@ -408,16 +441,26 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     };
     if constexpr (PACKS > 0) {
       Index k0 = 0;
+      int stage = 0;
 #pragma unroll 1
-      for (Index i0 = first_chunk; i0 < loop_count; i0 += groups * kChunk, k0 += kChunk) {
-        if (i0 > first_chunk) load_chunk(i0);
+      for (Index i0 = first_chunk; i0 < loop_count; i0 += chunk_step, k0 += kChunk, stage ^= 1) {
+        if constexpr (kAsync) {
+          wait_async<1>();  // this chunk's group (the next chunk's may still be out)
+        } else if (i0 > first_chunk) {
+          load_chunk(i0);
+        }
 #pragma unroll
         for (int j = 0; j < kChunk; ++j) {
           if (i0 + j >= loop_count) break;  // uniform across the warp
           const Index i = i0 + j;
-          const float w = i < taken ? weight(broken, S, lse[j]) : 0.0f;
-          finish_state(i, k0 + j, w, held_state_gradients(i, w, x[j]));
+          const float s_j = kAsync ? empty_if_inf(staged.lse(stage, j)) * to_natural : lse[j];
+          InPack x_j[kHeld];
+#pragma unroll
+          for (int q = 0; q < kHeld; ++q) x_j[q] = kAsync ? staged.value(stage, j, q) : x[j][q];
+          const float w = i < taken ? weight(broken, S, s_j) : 0.0f;
+          finish_state(i, k0 + j, w, held_state_gradients(i, w, x_j));
         }
+        if constexpr (kAsync) stage_chunk(i0 + 2 * chunk_step, stage);  // after this chunk's reads
       }
     } else {
       Index nth = 0;  // i is the group's nth state

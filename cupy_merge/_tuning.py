@@ -75,8 +75,16 @@ class Tuning:
     #: (a dependent load a state) left rows of hundreds of states waiting on memory (session 14).
     backward_fold: int = 8
     #: Gradients: rows that are not short ask L2 for their next chunk of states as they load one
-    #: (MERGE_PREFETCH): they wait on memory at the occupancy their registers allow (session 14).
+    #: (MERGE_PREFETCH; where their chunks are held in registers): they wait on memory at the
+    #: occupancy their registers allow (session 14).
     backward_prefetch: bool = True
+    #: Gradients recomputing S: rows that are not short stage their chunks in shared memory
+    #: through cp.async, two chunks in flight a thread, rather than hold one in registers across
+    #: its loads' wait (MERGE_ASYNC; sm_80 and newer, packs of 4, 8 or 16 bytes). Session 16:
+    #: registers 128 -> 90-94 (two packs a lane, 5 blocks where 4), rows of 8 states 78 -> 84 % of
+    #: the copy, ragged 4096 tokens of ~8 82 -> 91 %, 512 tokens 72 -> 78 %; rows of 16 states
+    #: 80 -> 78 % (two chunks of their four in flight at once where the L2 prefetch had three).
+    backward_async: bool = True
     #: Gradients given the merge's results (``out``, ``out_lse``): fewer rows than this of at least
     #: backward_from_output_states states (ragged: on average) take the kernel that reads them
     #: (each state's gradients its own: no fold, no sum over the states first, any share of a
@@ -114,6 +122,7 @@ class Tuning:
             f"-DMERGE_CHUNK={self.merge_chunk}",
             f"-DMERGE_FOLD={self.backward_fold}",
             f"-DMERGE_PREFETCH={int(self.backward_prefetch)}",
+            f"-DMERGE_ASYNC={int(self.backward_async)}",
         )
 
     def replace(self, **changes: object) -> Tuning:

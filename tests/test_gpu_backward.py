@@ -308,15 +308,17 @@ def test_rows_enough_for_two_packs_a_lane_follow_the_reference(rng, dtype, ragge
     _close(got[1], want[1], dtype, "grad of s")
 
 
+@pytest.mark.parametrize("staged", [True, False])  # chunks staged in shared memory (cp.async), or held in registers
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("two_pack_rows", [0, 2**62])  # two packs a lane, or one
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("num_states", [5, 9, 300])  # 300: past the shares the lanes of a group keep
-def test_every_split_of_a_rows_states_over_groups_follows_the_reference(rng, groups, two_pack_rows, ragged,
+def test_every_split_of_a_rows_states_over_groups_follows_the_reference(rng, staged, groups, two_pack_rows, ragged,
                                                                          num_states):  # fmt: skip
     """Rows of states split over 1, 2 or 4 groups of threads (which add their parts of <dV, V>
-    through shared memory) give the reference's gradients, sinks' included. One block a row (no
-    splits), so that rows of 300 states keep their shares in the LSE gradients' memory."""
+    through shared memory) give the reference's gradients, sinks' included, their chunks staged
+    or held. One block a row (no splits), so that rows of 300 states keep their shares in the LSE
+    gradients' memory."""
     import cupy
 
     from cupy_merge import _tuning
@@ -326,7 +328,7 @@ def test_every_split_of_a_rows_states_over_groups_follows_the_reference(rng, gro
     grad_s = to_device(rng.standard_normal((heads, tokens)), "float32")
     sinks = to_device(rng.standard_normal(heads), "float32")
     tuning = _tuning.DEFAULT.replace(backward_groups=groups, backward_two_pack_rows=two_pack_rows,
-                                     backward_split_chunks=2**62)  # fmt: skip
+                                     backward_split_chunks=2**62, backward_async=staged)  # fmt: skip
     if ragged:
         indptr = np.concatenate([[0], np.cumsum(rng.integers(0, 2 * num_states, tokens))]).astype(np.int64)
         rows = int(indptr[-1])

@@ -86,7 +86,8 @@ BACKWARD_VARIANTS = {
     "two-packs": {**_RECOMPUTE, "backward_two_pack_rows": 0},
     "fold1": {**_RECOMPUTE, "backward_fold": 1},  # a dependent load a state, as session 13's fold
     "fold4": {**_RECOMPUTE, "backward_fold": 4},
-    "no-prefetch": {**_RECOMPUTE, "backward_prefetch": False},
+    "no-prefetch": {**_RECOMPUTE, "backward_prefetch": False, "backward_async": False},
+    "held": {**_RECOMPUTE, "backward_async": False},  # each chunk in registers across its loads (session 15)
 }
 
 
