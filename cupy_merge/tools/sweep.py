@@ -80,6 +80,9 @@ BACKWARD_VARIANTS = {
     "given-2pack": {"backward_from_output_two_pack_rows": 0},
     "busy2x": {"backward_busy_threads": 2 * _tuning.DEFAULT.backward_busy_threads},
     "busy4x": {"backward_busy_threads": 4 * _tuning.DEFAULT.backward_busy_threads},
+    # Many rows split over groups too (more, smaller blocks of work: fewer idle slots in the last wave).
+    "busy8x": {"backward_busy_threads": 8 * _tuning.DEFAULT.backward_busy_threads},
+    "busy16x": {"backward_busy_threads": 16 * _tuning.DEFAULT.backward_busy_threads},
     "one-block": {**_RECOMPUTE, "backward_groups": 1, "backward_split_chunks": 2**62},
     "no-splits": {**_RECOMPUTE, "backward_split_chunks": 2**62},
     "split1": {**_RECOMPUTE, "backward_split_chunks": 1},
