@@ -66,21 +66,27 @@ struct StatePointers {
 // Copies global memory to shared without a register waiting on it (cp.async, sm_80 and newer):
 // a thread's copies form groups (commit_async), and wait_async<N> waits for all but its newest N
 // groups, after which the thread itself may read what they wrote.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-constexpr bool kCopiesAsync = false;
+//
+// Chunks are staged only where a multiprocessor has 228 KB of shared memory (sm_90, sm_100,
+// sm_103): 5 staged blocks of up to 42 KB fit there (measured on the H200, session 16). sm_80's
+// 164 KB would hold 3 where the held chunks' registers allow 4, sm_86/89/120's 100 KB 2: not
+// measured, so those keep the chunks in registers.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900 || __CUDA_ARCH__ >= 1100)
+constexpr bool kStagingFits = false;
 #else
-constexpr bool kCopiesAsync = true;
+constexpr bool kStagingFits = true;
 #endif
 
 // Whether rows of PACKS (1 or 2) held packs a lane stage their chunks of CHUNK states in shared
 // memory through cp.async (ASYNC: MERGE_ASYNC, the tuning's backward_async), rather than hold a
 // chunk in registers across its loads' wait: the long rows were latency-bound at the occupancy
-// their registers allow (sessions 12 and 14). Packs of 4, 8 or 16 bytes (what cp.async moves),
-// two chunks of them within 32 KiB (static shared memory stops at 48).
+// their registers allow (sessions 12 and 14). Packs of 4, 8 or 16 bytes (what cp.async moves);
+// the two chunks' values and LSEs within 36 KiB, which leaves the kernel's other shared arrays
+// (at most 8 KiB) room under the 48 KiB of static shared memory.
 template <bool ASYNC, typename TIn, int VEC, int PACKS, int CHUNK>
-constexpr bool kStaged = ASYNC && kCopiesAsync && PACKS > 0 &&
+constexpr bool kStaged = ASYNC && kStagingFits && PACKS > 0 &&
                          (sizeof(TIn) * VEC == 4 || sizeof(TIn) * VEC == 8 || sizeof(TIn) * VEC == 16) &&
-                         2 * CHUNK * PACKS * kBackwardThreads * sizeof(TIn) * VEC <= 32768;
+                         2 * CHUNK * kBackwardThreads * (PACKS * sizeof(TIn) * VEC + sizeof(float)) <= 36864;
 
 template <int BYTES>
 __device__ __forceinline__ void copy_async(void* shared, const void* global) {

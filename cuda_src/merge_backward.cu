@@ -63,8 +63,8 @@ namespace cupy_merge {
 
 // The states a lane keeps in shared memory.
 // With 32-bit offsets the kernel is held to 5 blocks' registers (the ragged rows took 102, which
-// left room for 4; 64-bit offsets would spill); rows of two packs a lane to 4 where 5 spilled
-// (dense: 280 bytes; ragged rows of 32-byte packs); short rows of 16-byte packs to 12 (2 states:
+// left room for 4; 64-bit offsets would spill); rows of two packs a lane whose chunks are held in
+// registers to 4 where 5 spilled (dense: 280 bytes; ragged rows of 32-byte packs); short rows of 16-byte packs to 12 (2 states:
 // 40 registers) and 8 (4 states: 56), which measured 2-5 points of the copy faster from 43 MB
 // than 61 and 72 registers (session 12; wider packs spilled there).
 constexpr int kBackwardSlots = 4;
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
   // suffices (a group writes a row's part only after every group has passed a barrier of the
   // previous row, which follows their reads of the row before). Split and finishing launches
   // pass only the merged LSE's barrier, and use no shared memory where groups fold alone.
-  __shared__ GroupFold group_folds[2][SHORT || !kShareFold<PACKS> ? 1 : kBackwardThreads];
+  __shared__ GroupFold group_folds[2][SHORT ? 1 : kBackwardThreads];
   __shared__ float group_dots[2][SHORT ? 1 : kBackwardThreads];
   // Rows that are not short: their chunks staged in shared memory, two in flight a thread.
   constexpr bool kAsync = kBackwardStaged<TIn, VEC, PACKS, SHORT, RAGGED>;

@@ -80,7 +80,8 @@ class Tuning:
     backward_prefetch: bool = True
     #: Gradients recomputing S: rows that are not short stage their chunks in shared memory
     #: through cp.async, two chunks in flight a thread, rather than hold one in registers across
-    #: its loads' wait (MERGE_ASYNC; sm_80 and newer, packs of 4, 8 or 16 bytes). Session 16:
+    #: its loads' wait (MERGE_ASYNC; on sm_90 and sm_100, whose 228 KB of shared memory a
+    #: multiprocessor holds 5 staged blocks; packs of 4, 8 or 16 bytes). Session 16:
     #: registers 128 -> 92 (two packs a lane, 5 blocks where 4), 131072 rows of 8 states 78 -> 85 %
     #: of the copy, ragged 4096 tokens of ~8 83 -> 91 %, 512 tokens 72 -> 77 %; rows of 16 states
     #: 80 -> 78 % (two of their four chunks in flight at once, where the L2 prefetch had a third).

@@ -352,15 +352,55 @@ def test_every_split_of_a_rows_states_over_groups_follows_the_reference(rng, sta
         _close(got[index], want[index], "bfloat16", what)
 
 
+@pytest.mark.parametrize("staged", [True, False])  # chunks staged in shared memory (cp.async), or held in registers
+@pytest.mark.parametrize("two_pack_rows", [0, 2**62])  # two packs a lane where a row has more than one, or one
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("head_size, dtype", [(6, "float16"), (6, "float32"), (2, "float32")])  # packs of 4, 8, 8 bytes
+def test_rows_of_narrow_packs_follow_the_reference(rng, staged, two_pack_rows, ragged, head_size, dtype):
+    """Rows whose packs are 4 or 8 bytes (cp.async's narrow copies, where staged) over several
+    chunks of states, a partial last one included, dense and ragged, with sinks."""
+    import cupy
+
+    from cupy_merge import _tuning
+
+    num_states, tokens, heads = 13, 6, 3
+    grad_v = to_device(rng.standard_normal((tokens, heads, head_size)), dtype)
+    grad_s = to_device(rng.standard_normal((heads, tokens)), "float32")
+    sinks = to_device(rng.standard_normal(heads), "float32")
+    tuning = _tuning.DEFAULT.replace(backward_two_pack_rows=two_pack_rows, backward_async=staged)
+    if ragged:
+        indptr = np.concatenate([[0], np.cumsum(rng.integers(0, 2 * num_states, tokens))]).astype(np.int32)
+        rows = int(indptr[-1])
+        v = to_device(rng.standard_normal((rows, heads, head_size)), dtype)
+        s = to_device(rng.standard_normal((heads, rows)) * 2, "float32")
+        _poison_the_pool(((rows, heads, head_size), dtype), ((heads, rows), "float32"))
+        with _tuning.use(tuning):
+            got = cm.merge_states_varlen_backward(v, s, cupy.asarray(indptr), grad_v, grad_s, sinks=sinks)
+        want = reference.merge_states_varlen_backward(to_host(v), to_host(s), indptr, to_host(grad_v),
+                                                      to_host(grad_s), sinks=to_host(sinks))  # fmt: skip
+    else:
+        v = to_device(rng.standard_normal((num_states, tokens, heads, head_size)), dtype)
+        s = to_device(rng.standard_normal((num_states, heads, tokens)) * 2, "float32")
+        _poison_the_pool(((num_states, tokens, heads, head_size), dtype), ((num_states, heads, tokens), "float32"))
+        with _tuning.use(tuning):
+            got = backward.merge_states_backward(v, s, grad_v, grad_s, sinks=sinks)
+        want = reference.merge_states_backward(to_host(v), to_host(s), to_host(grad_v), to_host(grad_s),
+                                               sinks=to_host(sinks))  # fmt: skip
+    for index, what in enumerate(("grad of v", "grad of s", "grad of the sinks")):
+        _close(got[index], want[index], dtype, what)
+
+
+@pytest.mark.parametrize("staged", [True, False])  # chunks staged in shared memory (cp.async), or held in registers
 @pytest.mark.parametrize("split_chunks", [1, 2])  # shares of 1 and of 2 chunks a group
 @pytest.mark.parametrize("lse_base", ["e", 2])
 @pytest.mark.parametrize("num_states, tokens, heads, head_size, dtype", [
     (1024, 1, 4, 128, "bfloat16"), (3001, 2, 2, 64, "float32"), (77, 1, 3, 96, "float16"),
 ])  # fmt: skip
-def test_rows_split_over_blocks_follow_the_reference(rng, split_chunks, lse_base, num_states, tokens, heads,
+def test_rows_split_over_blocks_follow_the_reference(rng, staged, split_chunks, lse_base, num_states, tokens, heads,
                                                      head_size, dtype):  # fmt: skip
     """Few rows of many states: each block takes a share of a row's states (recomputing: then a
-    finishing launch writes the LSE gradients and the sinks'; given the results: one launch)."""
+    finishing launch writes the LSE gradients and the sinks'; given the results: one launch),
+    the recomputing kernel's chunks staged or held."""
     from cupy_merge import _tuning
 
     v = to_device(rng.standard_normal((num_states, tokens, heads, head_size)), dtype)
@@ -371,7 +411,7 @@ def test_rows_split_over_blocks_follow_the_reference(rng, split_chunks, lse_base
     grad_s = to_device(rng.standard_normal((heads, tokens)), "float32")
     sinks = to_device(rng.standard_normal(heads), "float32")
     _poison_the_pool(((num_states, tokens, heads, head_size), dtype), ((num_states, heads, tokens), "float32"))
-    with _tuning.use(_tuning.DEFAULT.replace(backward_split_chunks=split_chunks)):
+    with _tuning.use(_tuning.DEFAULT.replace(backward_split_chunks=split_chunks, backward_async=staged)):
         got = backward.merge_states_backward(v, s, grad_v, grad_s, sinks=sinks, lse_base=lse_base)
     want = reference.merge_states_backward(to_host(v), lse, to_host(grad_v), to_host(grad_s), sinks=to_host(sinks),
                                            lse_base=lse_base)  # fmt: skip

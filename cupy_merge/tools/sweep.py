@@ -57,7 +57,7 @@ MANY_VARIANTS = {
     "pack8": {"min_pack_threads": 8},
     "head-blocks": {"packed_many_threads": 64, "min_row_threads": 16},
     "chunk2": {"merge_chunk": 2},
-    "chunk8": {"merge_chunk": 8},
+    "chunk8": {"merge_chunk": 8},  # gradients: chunks too big to stage (held in registers)
     "busy2x": {"busy_threads": 2 * _tuning.DEFAULT.busy_threads},  # twice the splits where rows are few
     "pdl": {"programmatic_launch": True},
 }
