@@ -37,8 +37,8 @@
 // takes a chunk at a time (kChunk). SHORT (2 or 4; 0 for longer rows): dense rows of exactly
 // 2 or at most 4 states, kept whole in registers.
 //
-// On sm_80 and newer a thread stages its chunks (rows that are not short) in shared memory through
-// cp.async, two in flight, instead of holding one in registers (kBackwardStaged).
+// On sm_90 and sm_100 (kStagingFits) a thread stages its chunks (rows that are not short) in shared
+// memory through cp.async, two in flight, instead of holding one in registers (kBackwardStaged).
 //
 // Session 11 (docs/PERF.md): the kernel was issue- and latency-bound, not memory-bound. Its
 // loads are unconditional (addresses clamped into the arrays, results of states past a row's
