@@ -308,6 +308,45 @@ def test_rows_enough_for_two_packs_a_lane_follow_the_reference(rng, dtype, ragge
     _close(got[1], want[1], dtype, "grad of s")
 
 
+def _expect_the_references_gradients(rng, tuning, num_states, tokens, heads, head_size, dtype, ragged, offsets_dtype,
+                                     rows_around=(0, 0), precision=None):  # fmt: skip
+    """Gradients with sinks under ``tuning`` against the float64 reference's, on fresh random data:
+    ``num_states`` states a token, or ragged (0 to 2 x ``num_states`` a token, offsets of
+    ``offsets_dtype``, ``rows_around`` rows before the first token's and after the last's, which
+    must get zeros); tolerances of ``precision`` (default: ``dtype``)."""
+    import cupy
+
+    from cupy_merge import _tuning
+
+    grad_v = to_device(rng.standard_normal((tokens, heads, head_size)), dtype)
+    grad_s = to_device(rng.standard_normal((heads, tokens)), "float32")
+    sinks = to_device(rng.standard_normal(heads), "float32")
+    if ragged:
+        before, after = rows_around
+        indptr = (before + np.concatenate([[0], np.cumsum(rng.integers(0, 2 * num_states, tokens))])).astype(offsets_dtype)
+        rows = int(indptr[-1]) + after
+        v = to_device(rng.standard_normal((rows, heads, head_size)), dtype)
+        s = to_device(rng.standard_normal((heads, rows)) * 2, "float32")
+        _poison_the_pool(((rows, heads, head_size), dtype), ((heads, rows), "float32"))
+        with _tuning.use(tuning):
+            got = cm.merge_states_varlen_backward(v, s, cupy.asarray(indptr), grad_v, grad_s, sinks=sinks)
+        owned = slice(before, rows - after)
+        want = list(reference.merge_states_varlen_backward(to_host(v)[owned], to_host(s)[:, owned], indptr - before,
+                                                           to_host(grad_v), to_host(grad_s), sinks=to_host(sinks)))  # fmt: skip
+        want[0] = np.pad(want[0], ((before, after), (0, 0), (0, 0)))
+        want[1] = np.pad(want[1], ((0, 0), (before, after)))
+    else:
+        v = to_device(rng.standard_normal((num_states, tokens, heads, head_size)), dtype)
+        s = to_device(rng.standard_normal((num_states, heads, tokens)) * 2, "float32")
+        _poison_the_pool(((num_states, tokens, heads, head_size), dtype), ((num_states, heads, tokens), "float32"))
+        with _tuning.use(tuning):
+            got = backward.merge_states_backward(v, s, grad_v, grad_s, sinks=sinks)
+        want = reference.merge_states_backward(to_host(v), to_host(s), to_host(grad_v), to_host(grad_s),
+                                               sinks=to_host(sinks))  # fmt: skip
+    for index, what in enumerate(("grad of v", "grad of s", "grad of the sinks")):
+        _close(got[index], want[index], precision or dtype, what)
+
+
 @pytest.mark.parametrize("staged", [True, False])  # chunks staged in shared memory (cp.async), or held in registers
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("two_pack_rows", [0, 2**62])  # two packs a lane, or one
@@ -319,37 +358,11 @@ def test_every_split_of_a_rows_states_over_groups_follows_the_reference(rng, sta
     through shared memory) give the reference's gradients, sinks' included, their chunks staged
     or held. One block a row (no splits), so that rows of 300 states keep their shares in the LSE
     gradients' memory."""
-    import cupy
-
     from cupy_merge import _tuning
 
-    tokens, heads, head_size = 6, 3, 128
-    grad_v = to_device(rng.standard_normal((tokens, heads, head_size)), "bfloat16")
-    grad_s = to_device(rng.standard_normal((heads, tokens)), "float32")
-    sinks = to_device(rng.standard_normal(heads), "float32")
     tuning = _tuning.DEFAULT.replace(backward_groups=groups, backward_two_pack_rows=two_pack_rows,
                                      backward_split_chunks=2**62, backward_async=staged)  # fmt: skip
-    if ragged:
-        indptr = np.concatenate([[0], np.cumsum(rng.integers(0, 2 * num_states, tokens))]).astype(np.int64)
-        rows = int(indptr[-1])
-        v = to_device(rng.standard_normal((rows, heads, head_size)), "bfloat16")
-        s = to_device(rng.standard_normal((heads, rows)) * 2, "float32")
-        offsets = cupy.asarray(indptr)
-        _poison_the_pool(((rows, heads, head_size), "bfloat16"), ((heads, rows), "float32"))
-        with _tuning.use(tuning):
-            got = cm.merge_states_varlen_backward(v, s, offsets, grad_v, grad_s, sinks=sinks)
-        want = reference.merge_states_varlen_backward(to_host(v), to_host(s), indptr, to_host(grad_v),
-                                                      to_host(grad_s), sinks=to_host(sinks))  # fmt: skip
-    else:
-        v = to_device(rng.standard_normal((num_states, tokens, heads, head_size)), "bfloat16")
-        s = to_device(rng.standard_normal((num_states, heads, tokens)) * 2, "float32")
-        _poison_the_pool(((num_states, tokens, heads, head_size), "bfloat16"), ((num_states, heads, tokens), "float32"))
-        with _tuning.use(tuning):
-            got = backward.merge_states_backward(v, s, grad_v, grad_s, sinks=sinks)
-        want = reference.merge_states_backward(to_host(v), to_host(s), to_host(grad_v), to_host(grad_s),
-                                               sinks=to_host(sinks))  # fmt: skip
-    for index, what in enumerate(("grad of v", "grad of s", "grad of the sinks")):
-        _close(got[index], want[index], "bfloat16", what)
+    _expect_the_references_gradients(rng, tuning, num_states, 6, 3, 128, "bfloat16", ragged, np.int64)
 
 
 @pytest.mark.parametrize("staged", [True, False])  # chunks staged in shared memory (cp.async), or held in registers
@@ -359,35 +372,10 @@ def test_every_split_of_a_rows_states_over_groups_follows_the_reference(rng, sta
 def test_rows_of_narrow_packs_follow_the_reference(rng, staged, two_pack_rows, ragged, head_size, dtype):
     """Rows whose packs are 4 or 8 bytes (cp.async's narrow copies, where staged) over several
     chunks of states, a partial last one included, dense and ragged, with sinks."""
-    import cupy
-
     from cupy_merge import _tuning
 
-    num_states, tokens, heads = 13, 6, 3
-    grad_v = to_device(rng.standard_normal((tokens, heads, head_size)), dtype)
-    grad_s = to_device(rng.standard_normal((heads, tokens)), "float32")
-    sinks = to_device(rng.standard_normal(heads), "float32")
     tuning = _tuning.DEFAULT.replace(backward_two_pack_rows=two_pack_rows, backward_async=staged)
-    if ragged:
-        indptr = np.concatenate([[0], np.cumsum(rng.integers(0, 2 * num_states, tokens))]).astype(np.int32)
-        rows = int(indptr[-1])
-        v = to_device(rng.standard_normal((rows, heads, head_size)), dtype)
-        s = to_device(rng.standard_normal((heads, rows)) * 2, "float32")
-        _poison_the_pool(((rows, heads, head_size), dtype), ((heads, rows), "float32"))
-        with _tuning.use(tuning):
-            got = cm.merge_states_varlen_backward(v, s, cupy.asarray(indptr), grad_v, grad_s, sinks=sinks)
-        want = reference.merge_states_varlen_backward(to_host(v), to_host(s), indptr, to_host(grad_v),
-                                                      to_host(grad_s), sinks=to_host(sinks))  # fmt: skip
-    else:
-        v = to_device(rng.standard_normal((num_states, tokens, heads, head_size)), dtype)
-        s = to_device(rng.standard_normal((num_states, heads, tokens)) * 2, "float32")
-        _poison_the_pool(((num_states, tokens, heads, head_size), dtype), ((num_states, heads, tokens), "float32"))
-        with _tuning.use(tuning):
-            got = backward.merge_states_backward(v, s, grad_v, grad_s, sinks=sinks)
-        want = reference.merge_states_backward(to_host(v), to_host(s), to_host(grad_v), to_host(grad_s),
-                                               sinks=to_host(sinks))  # fmt: skip
-    for index, what in enumerate(("grad of v", "grad of s", "grad of the sinks")):
-        _close(got[index], want[index], dtype, what)
+    _expect_the_references_gradients(rng, tuning, 13, 6, 3, head_size, dtype, ragged, np.int32)
 
 
 @pytest.mark.parametrize("staged", [True, False])  # chunks staged in shared memory (cp.async), or held in registers
@@ -456,36 +444,11 @@ def test_every_way_through_a_row_given_the_merges_results_follows_the_reference(
     """The kernel given ``out`` and ``out_lse`` (its rows' states independent): one or two packs a
     lane or lanes looping over packs, a row's states in one block or split over many, dense and
     ragged (rows before and after the tokens'), sinks' gradients summed over every block."""
-    import cupy
-
     from cupy_merge import _tuning
 
-    tokens, heads = 5, 3
-    grad_v = to_device(rng.standard_normal((tokens, heads, head_size)), dtype)
-    grad_s = to_device(rng.standard_normal((heads, tokens)), "float32")
-    sinks = to_device(rng.standard_normal(heads), "float32")
     tuning = _tuning.DEFAULT.replace(backward_from_output_two_pack_rows=two_pack_rows, backward_from_output_states=2,
                                      backward_busy_threads=busy_threads,
                                      backward_from_output_ragged_busy_threads=busy_threads)  # fmt: skip
-    if ragged:
-        indptr = np.concatenate([[2], 2 + np.cumsum(rng.integers(0, 2 * num_states, tokens))]).astype(np.int32)
-        rows = int(indptr[-1]) + 3  # rows before and after the tokens': zeros
-        v = to_device(rng.standard_normal((rows, heads, head_size)), dtype)
-        s = to_device(rng.standard_normal((heads, rows)) * 2, "float32")
-        _poison_the_pool(((rows, heads, head_size), dtype), ((heads, rows), "float32"))
-        with _tuning.use(tuning):
-            got = cm.merge_states_varlen_backward(v, s, cupy.asarray(indptr), grad_v, grad_s, sinks=sinks)
-        want = list(reference.merge_states_varlen_backward(to_host(v)[2:-3], to_host(s)[:, 2:-3], indptr - 2,
-                                                           to_host(grad_v), to_host(grad_s), sinks=to_host(sinks)))  # fmt: skip
-        want[0], want[1] = np.pad(want[0], ((2, 3), (0, 0), (0, 0))), np.pad(want[1], ((0, 0), (2, 3)))
-    else:
-        v = to_device(rng.standard_normal((num_states, tokens, heads, head_size)), dtype)
-        s = to_device(rng.standard_normal((num_states, heads, tokens)) * 2, "float32")
-        _poison_the_pool(((num_states, tokens, heads, head_size), dtype), ((num_states, heads, tokens), "float32"))
-        with _tuning.use(tuning):
-            got = backward.merge_states_backward(v, s, grad_v, grad_s, sinks=sinks)
-        want = reference.merge_states_backward(to_host(v), to_host(s), to_host(grad_v), to_host(grad_s),
-                                               sinks=to_host(sinks))  # fmt: skip
     precision = "float32" if dtype == "float32" else "bfloat16"
-    for index, what in enumerate(("grad of v", "grad of s", "grad of the sinks")):
-        _close(got[index], want[index], precision, what)
+    _expect_the_references_gradients(rng, tuning, num_states, 5, 3, head_size, dtype, ragged, np.int32,
+                                     rows_around=(2, 3), precision=precision)  # fmt: skip
