@@ -39,3 +39,17 @@ def test_the_sweep_refuses_a_variant_its_family_lacks(capsys):
     with pytest.raises(SystemExit) as refused:
         sweep.main(["--family", "backward", "--variants", "default,chunk8"])
     assert refused.value.code == 2 and "--variants: chunk8 not among" in capsys.readouterr().err
+
+
+def test_the_sweep_runs_only_the_cases_whose_labels_it_keeps(monkeypatch):
+    made = []
+
+    def states(rng, states, tokens, heads, head_size):  # no arrays: records the case it was asked for
+        made.append(sweep._label(states, tokens, heads))
+        return None, None, None, made[-1]
+
+    monkeypatch.setattr(sweep, "_states", states)
+    monkeypatch.setattr(sweep, "_row", lambda label, nbytes, run, variants: label)
+    rows = sweep._sweep_states(None, sweep.BACKWARD_CASES, {}, lambda *args: (0, None),
+                               lambda label: label.startswith(("S=16 T=1024", "ragged T=512")))  # fmt: skip
+    assert rows == made == ["S=16 T=1024 H=32", "ragged T=512 mean 8"]

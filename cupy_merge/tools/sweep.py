@@ -129,6 +129,14 @@ def _row(label: str, nbytes: int, run, variants: dict, rng_check=True) -> tuple[
     return label, [copy, *[100 * copy / cell for cell in cells], cells[0]], worst
 
 
+def _label(states: int, tokens: int, heads: int) -> str:
+    return f"ragged T={tokens} mean {-states}" if states < 0 else f"S={states} T={tokens} H={heads}"
+
+
+def _all(label: str) -> bool:
+    return True
+
+
 def _states(rng, states: int, tokens: int, heads: int, head_size: int):
     """Values, LSEs, ragged offsets (None when dense) and a label; states < 0: ragged, 0..-2*states a token."""
     indptr = None
@@ -137,17 +145,19 @@ def _states(rng, states: int, tokens: int, heads: int, head_size: int):
     if states < 0:
         counts = rng.integers(0, -2 * states + 1, size=tokens)
         indptr = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(counts)]).astype(numpy.int32))
-        shape, lse_shape, label = (int(counts.sum()),), (heads, int(counts.sum())), f"ragged T={tokens} mean {-states}"
+        shape, lse_shape = (int(counts.sum()),), (heads, int(counts.sum()))
     else:
-        shape, lse_shape, label = (states, tokens), (states, heads, tokens), f"S={states} T={tokens} H={heads}"
+        shape, lse_shape = (states, tokens), (states, heads, tokens)
     v = cupy.asarray(rng.standard_normal((*shape, heads, head_size), dtype=numpy.float32)).astype(_dtype("bfloat16"))
     s = cupy.asarray(rng.standard_normal(lse_shape, dtype=numpy.float32) * 4)
-    return v, s, indptr, label
+    return v, s, indptr, _label(states, tokens, heads)
 
 
-def sweep_two(rng, variants: dict = TWO_VARIANTS) -> list:
+def sweep_two(rng, variants: dict = TWO_VARIANTS, keep=_all) -> list:
     rows = []
     for tokens, heads, head_size, dtype in TWO_CASES:
+        if not keep(f"{tokens}x{heads}x{head_size} {dtype}"):
+            continue
         v_a, v_b = (cupy.asarray(rng.standard_normal((tokens, heads, head_size), dtype=numpy.float32)).astype(_dtype(dtype))
                     for _ in range(2))  # fmt: skip
         s_a, s_b = (
@@ -163,16 +173,16 @@ def sweep_two(rng, variants: dict = TWO_VARIANTS) -> list:
     return rows
 
 
-def sweep_many(rng, variants: dict = MANY_VARIANTS) -> list:
+def sweep_many(rng, variants: dict = MANY_VARIANTS, keep=_all) -> list:
     def setup(v, s, indptr, tokens, heads, head_size):
         out = cupy.empty((tokens, heads, head_size), dtype=v.dtype)
         out_lse = cupy.empty((heads, tokens), dtype=cupy.float32)
         return v.nbytes + s.nbytes + out.nbytes + out_lse.nbytes, _many_run(v, s, indptr, out, out_lse)
 
-    return _sweep_states(rng, MANY_CASES, variants, setup)
+    return _sweep_states(rng, MANY_CASES, variants, setup, keep)
 
 
-def sweep_backward(rng, variants: dict = BACKWARD_VARIANTS) -> list:
+def sweep_backward(rng, variants: dict = BACKWARD_VARIANTS, keep=_all) -> list:
     """The bytes a case counts are those of the kernel that recomputes S (without ``out`` and
     ``out_lse``), so that the columns compare times."""
 
@@ -183,14 +193,16 @@ def sweep_backward(rng, variants: dict = BACKWARD_VARIANTS) -> list:
         nbytes = 2 * (v.nbytes + s.nbytes) + grad.nbytes + grad_s.nbytes
         return nbytes, _backward_run(v, s, indptr, grad, grad_s, results)
 
-    return _sweep_states(rng, BACKWARD_CASES, variants, setup)
+    return _sweep_states(rng, BACKWARD_CASES, variants, setup, keep)
 
 
-def _sweep_states(rng, cases: list, variants: dict, setup) -> list:
-    """A row a case of (states, tokens, heads, head_size) (states < 0: ragged); ``setup(v, s,
-    indptr, tokens, heads, head_size)`` gives the bytes the call moves and the call."""
+def _sweep_states(rng, cases: list, variants: dict, setup, keep=_all) -> list:
+    """A row a case of (states, tokens, heads, head_size) (states < 0: ragged) whose label ``keep``
+    takes; ``setup(v, s, indptr, tokens, heads, head_size)`` gives the bytes the call moves and the call."""
     rows = []
     for states, tokens, heads, head_size in cases:
+        if not keep(_label(states, tokens, heads)):
+            continue
         v, s, indptr, label = _states(rng, states, tokens, heads, head_size)
         nbytes, run = setup(v, s, indptr, tokens, heads, head_size)
         rows.append(_row(label, nbytes, run, variants))
@@ -226,6 +238,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--family", choices=["two", "many", "backward", "all"], default="all")
     parser.add_argument("--variants", help="comma-separated variants to run, the first the reference (default: all)")
+    parser.add_argument("--cases", help="comma-separated beginnings of case labels to run, e.g. 'S=16 T=1024,ragged' (default: all)")
     args = parser.parse_args(argv)
     chosen = args.variants.split(",") if args.variants else None
     families: dict[str, dict] = {"two": TWO_VARIANTS, "many": MANY_VARIANTS, "backward": BACKWARD_VARIANTS}
@@ -238,18 +251,23 @@ def main(argv=None) -> int:
         return 0
     rng = numpy.random.default_rng()
 
+    beginnings = args.cases.split(",") if args.cases else None
+
+    def keep(label: str) -> bool:
+        return beginnings is None or any(label.startswith(b) for b in beginnings)
+
     def picked(variants: dict) -> dict:
         return {name: variants[name] for name in chosen if name in variants} if chosen else variants
 
     if args.family in ("two", "all"):
         variants = picked(TWO_VARIANTS)
-        print(_table("two-way, % of same-bytes copy", sweep_two(rng, variants), variants), flush=True)
+        print(_table("two-way, % of same-bytes copy", sweep_two(rng, variants, keep), variants), flush=True)
     if args.family in ("many", "all"):
         variants = picked(MANY_VARIANTS)
-        print(_table("N-way and ragged (bf16), % of same-bytes copy", sweep_many(rng, variants), variants), flush=True)
+        print(_table("N-way and ragged (bf16), % of same-bytes copy", sweep_many(rng, variants, keep), variants), flush=True)
     if args.family in ("backward", "all"):
         variants = picked(BACKWARD_VARIANTS)
-        print(_table("gradients (bf16), % of same-bytes copy", sweep_backward(rng, variants), variants), flush=True)
+        print(_table("gradients (bf16), % of same-bytes copy", sweep_backward(rng, variants, keep), variants), flush=True)
     return 0
 
 
