@@ -12,7 +12,7 @@ Usage (on the GPU machine): python3 .ci/stream_ceiling.py
 import cupy
 
 import cupy_merge as cm
-from cupy_merge.tools.timing import median_ms
+from cupy_merge.tools.timing import copy_us, median_ms
 
 HEADS, HEAD_SIZE = 32, 128
 
@@ -40,12 +40,6 @@ extern "C" __global__ void planes(const int4* __restrict__ src, int4* __restrict
   }
 }
 """
-
-
-def copy_us(nbytes: int) -> float:
-    src = cupy.empty(nbytes // 2, dtype=cupy.uint8)
-    dst = cupy.empty_like(src)
-    return median_ms(lambda: dst.__setitem__(Ellipsis, src)) * 1e3
 
 
 def pattern(kernel, planes: int, tokens: int, pad: int, extra: bool, writes: int) -> tuple[int, float]:

@@ -81,7 +81,7 @@ from .bench_cases import (
     traffic_bytes,
 )
 from .bench_cases import select as select_cases
-from .timing import host_us_per_call, median_ms
+from .timing import copy_us, host_us_per_call, median_ms
 
 # ---------------------------------------------------------------------------------------------
 # Rows and tables (pure)
@@ -297,13 +297,6 @@ def _paired_us(a: Callable[[], object], b: Callable[[], object], rounds: int = 3
         times_a.append(_us(a))
         times_b.append(_us(b))
     return statistics.median(times_a), statistics.median(times_b)
-
-
-def _copy_us(traffic: int) -> float:
-    """A device-to-device copy of ``traffic / 2`` bytes: ``traffic`` bytes read and written."""
-    src = cupy.empty(max(traffic // 2, 1), dtype=cupy.uint8)
-    dst = cupy.empty_like(src)
-    return _us(lambda: dst.__setitem__(Ellipsis, src))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -730,7 +723,7 @@ def run_case(ctx: Context, case: Case) -> dict:
     row: dict[str, Any] = {"family": case.family, "case": case.label, "mbytes": traffic / 1e6}
     try:
         row.update(RUNNERS[case.family](ctx, case))
-        row["copy_us"] = _copy_us(traffic)
+        row["copy_us"] = copy_us(traffic)
     except Exception as error:  # noqa: BLE001 - one case's failure is reported, the others still run
         print(f"\n{case.family} {case.label} failed: {type(error).__name__}: {error}", file=sys.stderr)
     cupy.cuda.runtime.deviceSynchronize()

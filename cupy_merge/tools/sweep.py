@@ -20,7 +20,7 @@ import numpy
 
 from .. import _tuning, merge_state, merge_states, merge_states_varlen
 from ..backward import merge_states_backward, merge_states_varlen_backward
-from .timing import median_ms
+from .timing import copy_us, median_ms
 
 TWO_CASES = [
     (1, 32, 128, "bfloat16"), (64, 32, 128, "bfloat16"), (256, 32, 128, "bfloat16"), (1024, 32, 128, "bfloat16"),
@@ -105,12 +105,6 @@ def _dtype(name: str):
     return cupy_dtype(name)
 
 
-def _copy_us(nbytes: int) -> float:
-    src = cupy.empty(max(nbytes // 2, 1), dtype=cupy.uint8)
-    dst = cupy.empty_like(src)
-    return median_ms(lambda: dst.__setitem__(Ellipsis, src)) * 1e3
-
-
 def _row(label: str, nbytes: int, run, variants: dict, rng_check=True) -> tuple[str, list[float], float]:
     results, cells = {}, []
     for name, settings in variants.items():
@@ -125,7 +119,7 @@ def _row(label: str, nbytes: int, run, variants: dict, rng_check=True) -> tuple[
             finite = numpy.isfinite(w)
             scale = max(float(numpy.linalg.norm(w[finite])), 1e-30)
             worst = max(worst, float(numpy.linalg.norm((g - w)[finite])) / scale)
-    copy = _copy_us(nbytes)
+    copy = copy_us(nbytes)
     return label, [copy, *[100 * copy / cell for cell in cells], cells[0]], worst
 
 
@@ -156,7 +150,8 @@ def _states(rng, states: int, tokens: int, heads: int, head_size: int):
 def sweep_two(rng, variants: dict = TWO_VARIANTS, keep=_all) -> list:
     rows = []
     for tokens, heads, head_size, dtype in TWO_CASES:
-        if not keep(f"{tokens}x{heads}x{head_size} {dtype}"):
+        label = f"{tokens}x{heads}x{head_size} {dtype}"
+        if not keep(label):
             continue
         v_a, v_b = (cupy.asarray(rng.standard_normal((tokens, heads, head_size), dtype=numpy.float32)).astype(_dtype(dtype))
                     for _ in range(2))  # fmt: skip
@@ -168,7 +163,7 @@ def sweep_two(rng, variants: dict = TWO_VARIANTS, keep=_all) -> list:
         run = lambda v_a=v_a, s_a=s_a, v_b=v_b, s_b=s_b, out=out, out_lse=out_lse: merge_state(
             v_a, s_a, v_b, s_b, out=out, out_lse=out_lse
         )
-        rows.append(_row(f"{tokens}x{heads}x{head_size} {dtype}", nbytes, run, variants))
+        rows.append(_row(label, nbytes, run, variants))
         print(".", end="", file=sys.stderr, flush=True)
     return rows
 

@@ -34,6 +34,14 @@ def median_ms(
     return statistics.median(times)
 
 
+def copy_us(traffic: int) -> float:
+    """Median microseconds of a device-to-device copy of ``traffic / 2`` bytes (``traffic`` bytes
+    read and written): the ceiling a memory-bound kernel moving ``traffic`` bytes is measured against."""
+    src = cupy.empty(max(traffic // 2, 1), dtype=cupy.uint8)
+    dst = cupy.empty_like(src)
+    return median_ms(lambda: dst.__setitem__(Ellipsis, src)) * 1e3
+
+
 def host_us_per_call(call: Callable[[], object], *, batch: int = 256, batches: int = 40) -> float:
     """Median host microseconds per call, over batches of ``batch`` back-to-back calls (fewer than
     the launch queue holds, so the GPU never throttles the host), the device idle before each."""
