@@ -182,11 +182,21 @@ template <typename TIn, int VEC>
 __device__ __forceinline__ Pack<TIn, VEC> state_gradient(float w, const Pack<TIn, VEC>& x, const float (&d)[VEC],
                                                          float& partial) {
   Pack<TIn, VEC> g;
+  if constexpr (kIsBfloat16<TIn> && VEC % 2 == 0) {
+    // bfloat16 pairs widened from their 32-bit word (a shift, a mask): element by element the
+    // upper one took a byte permute and a shift (SASS, session 17).
+    const unsigned* words = reinterpret_cast<const unsigned*>(x.v);
 #pragma unroll
-  for (int k = 0; k < VEC; ++k) {
-    partial = fmaf(d[k], to_float(x.v[k]), partial);
-    g.v[k] = from_float<TIn>(w * d[k]);
+    for (int k = 0; k < VEC; k += 2) {
+      partial = fmaf(d[k], bfloat16_low(words[k / 2]), partial);
+      partial = fmaf(d[k + 1], bfloat16_high(words[k / 2]), partial);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) partial = fmaf(d[k], to_float(x.v[k]), partial);
   }
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) g.v[k] = from_float<TIn>(w * d[k]);
   if (w == 0.0f) g = Pack<TIn, VEC>{};  // a zero-weight state's gradient is zero even where dV is not finite
   return g;
 }

@@ -23,6 +23,15 @@ __device__ __forceinline__ float to_float(bfloat16_t x) {
   return __uint_as_float(static_cast<unsigned>(x.bits) << 16);
 }
 
+// A 32-bit word of two bfloat16 values widened: element 0 (the low half) and element 1.
+__device__ __forceinline__ float bfloat16_low(unsigned word) { return __uint_as_float(word << 16); }
+__device__ __forceinline__ float bfloat16_high(unsigned word) { return __uint_as_float(word & 0xffff0000u); }
+
+template <typename T>
+constexpr bool kIsBfloat16 = false;
+template <>
+constexpr bool kIsBfloat16<bfloat16_t> = true;
+
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
 

@@ -160,6 +160,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
   const int group = threadIdx.z, groups = blockDim.z;
   const int group_row = threadIdx.z * blockDim.y + threadIdx.y;  // this thread's row among the block's groups
   const int thread = group_row * blockDim.x + threadIdx.x;
+  float* const my_terms = &saved_terms[0][thread];  // this thread's slots (addressed once, not a state)
+  float* const my_weights = &saved_weights[0][thread];
   // The states of a row group g takes, in its order: the k-th is state_of(k).
   constexpr int kSpan = PACKS > 0 ? kChunk : 1;
   auto state_of = [&](Index k) -> Index { return (k / kSpan) * groups * kSpan + group * kSpan + k % kSpan; };
@@ -432,8 +434,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
       if (i < taken && (k & (row_lanes - 1)) == lane) {
         const Index slot = k >> lane_shift;
         if (slot < kBackwardSlots && !splitting) {
-          saved_terms[slot][thread] = term;
-          saved_weights[slot][thread] = w;
+          my_terms[slot * kBackwardThreads] = term;
+          my_weights[slot * kBackwardThreads] = w;
         } else if (valid) {
           *gs_at.at(from + i) = term;
         }
@@ -451,7 +453,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
         }
 #pragma unroll
         for (int j = 0; j < kChunk; ++j) {
-          if (i0 + j >= loop_count) break;  // uniform across the warp
+          // every state of the chunk, past the row too (weight 0, nothing stored): no branch around the shuffles
           const Index i = i0 + j;
           const float s_j = kAsync ? empty_if_inf(staged.lse(stage, j)) * to_natural : lse[j];
           InPack x_j[kHeld];
@@ -499,8 +501,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
       const Index i = state_of(k);
       float* gsi = gs_at.at(from + i);
       const bool kept = slot < kBackwardSlots;
-      const float w = kept ? saved_weights[slot][thread] : weight(broken, S, lse_of(i));
-      const float term = kept ? saved_terms[slot][thread] : *gsi;
+      const float w = kept ? my_weights[slot * kBackwardThreads] : weight(broken, S, lse_of(i));
+      const float term = kept ? my_terms[slot * kBackwardThreads] : *gsi;
       *gsi = lse_gradient(broken, w, term, dot_v);
     }
     add_sink_gradient(broken, S, dot_v);
