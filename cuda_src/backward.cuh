@@ -197,7 +197,15 @@ __device__ __forceinline__ Pack<TIn, VEC> state_gradient(float w, const Pack<TIn
   }
 #pragma unroll
   for (int k = 0; k < VEC; ++k) g.v[k] = from_float<TIn>(w * d[k]);
-  if (w == 0.0f) g = Pack<TIn, VEC>{};  // a zero-weight state's gradient is zero even where dV is not finite
+  // A zero-weight state's gradient is zero even where dV is not finite: selected word by word
+  // (a branch around zeroing the pack cost a branch and its reconvergence a pack).
+  if constexpr (sizeof(g) % 4 == 0) {
+    unsigned* words = reinterpret_cast<unsigned*>(g.v);
+#pragma unroll
+    for (int k = 0; k < static_cast<int>(sizeof(g) / 4); ++k) words[k] = w == 0.0f ? 0u : words[k];
+  } else if (w == 0.0f) {
+    g = Pack<TIn, VEC>{};
+  }
   return g;
 }
 

@@ -255,7 +255,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
         float part = 0.0f;
         const InPack g = state_gradient<TIn, VEC>(w, xi[q], dV[q], part);
         partial += has_pack[q] ? part : 0.0f;  // a pack past the row's is its first: 0 x inf would be NaN
-        if (valid && i < taken && has_pack[q]) store_pack(reinterpret_cast<InPack*>(gv_at.at(from + i)) + pack[q], g);
+        InPack* const to = reinterpret_cast<InPack*>(gv_at.at(from + i)) + pack[q];  // outside the test: a predicated store
+        if (valid && i < taken && has_pack[q]) store_pack(to, g);
       }
       return partial;
     };
