@@ -27,14 +27,24 @@ __device__ __forceinline__ float backward_weight(float x) {
 // wraps each in a dozen to make it safe under divergence (session 11, SASS).
 constexpr unsigned kWarp = 0xffffffffu;
 
-// The sum of `x` over the `lanes` threads of a row (consecutive lanes of one warp).
-__device__ __forceinline__ float row_sum(float x, int lanes) {
+// The sums of x[0] .. x[N - 1], each over the `lanes` threads of a row (consecutive lanes of one
+// warp), every lane getting them: N butterflies side by side, so that their shuffles' latencies
+// may overlap (a chunk's states summed one after another were four chains of them), and only the
+// levels a row has (`lanes` is the same across the warp: no lane skips a shuffle another runs).
+template <int N>
+__device__ __forceinline__ void row_sums(float (&x)[N], int lanes) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
-    const float other = __shfl_xor_sync(kWarp, x, offset, lanes);  // unconditional: no branch a level
-    if (offset < lanes) x += other;
+    if (offset >= lanes) continue;
+#pragma unroll
+    for (int j = 0; j < N; ++j) x[j] += __shfl_xor_sync(kWarp, x[j], offset, lanes);
   }
-  return x;
+}
+
+__device__ __forceinline__ float row_sum(float x, int lanes) {
+  float sums[1] = {x};
+  row_sums(sums, lanes);
+  return sums[0];
 }
 
 // The largest `count` of a warp's rows.

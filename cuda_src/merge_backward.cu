@@ -225,7 +225,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     // Taken state i (0 <= i < loop_count) as loaded: past the taken, the last of them (or the
     // batch's first, for none) stands in, and is not used.
     auto loaded = [&](Index i) { return taken == 0 ? 0 : from + min(i, taken - 1); };
-    auto lse_at_index = [&](Index at) { return empty_if_inf(*lse_at.at(at)) * to_natural; };
+    auto lse_natural = [&](float s) { return empty_if_inf(s) * to_natural; };  // an LSE as read, in natural log
+    auto lse_at_index = [&](Index at) { return lse_natural(*lse_at.at(at)); };
     auto lse_of = [&](Index i) { return lse_at_index(loaded(i)); };
     auto v_pack = [&](Index i, int q) {
       return load_pack(reinterpret_cast<const InPack*>(v_at.at(loaded(i))) + pack[q]);
@@ -342,9 +343,12 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
 #pragma unroll
       for (int j = 0; j < SHORT; ++j) {
         w[j] = j < count ? weight(broken, S, lse[j]) : 0.0f;
-        const float partial = held_state_gradients(j, w[j], x[j]);
-        const float d_j = row_sum(partial, row_lanes);
-        term[j] = w[j] == 0.0f ? 0.0f : w[j] * d_j;  // a zero-weight state's NaN values add nothing
+        term[j] = held_state_gradients(j, w[j], x[j]);  // this lane's part of <dV, V_j>, then the row's
+      }
+      row_sums(term, row_lanes);
+#pragma unroll
+      for (int j = 0; j < SHORT; ++j) {
+        term[j] = w[j] == 0.0f ? 0.0f : w[j] * term[j];  // a zero-weight state's NaN values add nothing
         dot_v += term[j];
       }
 #pragma unroll
@@ -428,8 +432,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
       continue;
     }
     float dot_v = 0.0f;  // <dV, V>
-    auto finish_state = [&](Index i, Index k, float w, float partial) {  // i: the k-th state of the group's
-      const float d_i = row_sum(partial, row_lanes);
+    auto finish_state = [&](Index i, Index k, float w, float d_i) {  // i: the k-th state of the group's, d_i <dV, V_i>
       const float term = w == 0.0f ? 0.0f : w * d_i;
       dot_v += term;
       if (i < taken && (k & (row_lanes - 1)) == lane) {
@@ -452,17 +455,23 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
         } else if (i0 > first_chunk) {
           load_chunk(i0);
         }
+        // Every state of the chunk, past the row too (weight 0, nothing stored): each one's value
+        // gradients and this lane's part of <dV, V_i>, then the row's sums of all of them together.
+        float w[kChunk], d[kChunk];
 #pragma unroll
         for (int j = 0; j < kChunk; ++j) {
-          // every state of the chunk, past the row too (weight 0, nothing stored): no branch around the shuffles
           const Index i = i0 + j;
-          const float s_j = kAsync ? empty_if_inf(staged.lse(stage, j)) * to_natural : lse[j];
+          // past the taken states -inf: weight 0
+          const float s_j = kAsync ? (i < taken ? lse_natural(staged.lse(stage, j)) : negative_infinity()) : lse[j];
           InPack x_j[kHeld];
 #pragma unroll
           for (int q = 0; q < kHeld; ++q) x_j[q] = kAsync ? staged.value(stage, j, q) : x[j][q];
-          const float w = i < taken ? weight(broken, S, s_j) : 0.0f;
-          finish_state(i, k0 + j, w, held_state_gradients(i, w, x_j));
+          w[j] = weight(broken, S, s_j);
+          d[j] = held_state_gradients(i, w[j], x_j);
         }
+        row_sums(d, row_lanes);
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) finish_state(i0 + j, k0 + j, w[j], d[j]);
         if constexpr (kAsync) stage_chunk(i0 + 2 * chunk_step, stage);  // after this chunk's reads
       }
     } else {
@@ -481,7 +490,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
           const InPack g = state_gradient<TIn, VEC>(w, load_pack(vi + p), d, partial);
           if (valid) store_pack(reinterpret_cast<InPack*>(gv_at.at(from + i)) + p, g);
         }
-        finish_state(i, nth, w, partial);
+        finish_state(i, nth, w, row_sum(partial, row_lanes));
       }
     }
     if (RAGGED && valid && bad && split == 0) {  // no token may own the rows between its offsets

@@ -148,22 +148,28 @@ __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, 
 #pragma unroll
           for (int q = 0; q < kHeld; ++q) x[j][q] = load_pack(reinterpret_cast<const InPack*>(v_at.at(loaded(i0 + j))) + pack[q]);
         }
+        // Every state of the chunk, past the row too (weight 0, nothing stored): each one's value
+        // gradients and this lane's part of <dV, V_i>, then the row's sums of all of them together.
+        float w[kChunk], d[kChunk];
 #pragma unroll
         for (int j = 0; j < kChunk; ++j) {
-          if (i0 + j >= loop_count) break;  // uniform across the warp
           const Index i = i0 + j;
-          const bool real = valid && i < count;
-          const float w = i < count ? weight(lse[j]) : 0.0f;
-          float partial = 0.0f;
+          w[j] = i < count ? weight(lse[j]) : 0.0f;
+          d[j] = 0.0f;
 #pragma unroll
           for (int q = 0; q < kHeld; ++q) {
             float part = 0.0f;
-            const InPack g = state_gradient<TIn, VEC>(w, x[j][q], dV[q], part);
-            partial += has_pack[q] ? part : 0.0f;  // a pack past the row's is its first: 0 x inf would be NaN
-            if (real && has_pack[q]) store_pack(reinterpret_cast<InPack*>(gv_at.at(first + i)) + pack[q], g);
+            const InPack g = state_gradient<TIn, VEC>(w[j], x[j][q], dV[q], part);
+            d[j] += has_pack[q] ? part : 0.0f;  // a pack past the row's is its first: 0 x inf would be NaN
+            InPack* const to = reinterpret_cast<InPack*>(gv_at.at(first + i)) + pack[q];  // outside the test: a predicated store
+            if (valid && i < count && has_pack[q]) store_pack(to, g);
           }
-          const float d_i = row_sum(partial, row_lanes);
-          if (real && (j & (row_lanes - 1)) == lane) *gs_at.at(first + i) = lse_gradient(w, d_i);
+        }
+        row_sums(d, row_lanes);
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) {
+          const Index i = i0 + j;
+          if (valid && i < count && (j & (row_lanes - 1)) == lane) *gs_at.at(first + i) = lse_gradient(w[j], d[j]);
         }
       }
     } else {
