@@ -1,0 +1,95 @@
+"""The gradients' speed against how full the grid's last wave is: dense rows of 16 states and
+ragged rows of ~8 (bfloat16, 32 heads x 128) at token counts whose grids end in a nearly empty or
+a nearly full wave. Each row: the kernel's blocks, the blocks a multiprocessor holds (the CUDA
+occupancy calculator), the waves they make, and the gradients' time as % of a same-bytes copy
+(CUDA events, median, L2 flushed). A sawtooth in the last column says the partial last wave costs
+time; a flat one that it does not. Then dense rows whose states are a stack of more tokens than
+they use: whether the states' distance apart (a power of two or not) costs time.
+
+Usage (on the GPU machine): python3 .ci/waves.py
+"""
+
+import functools
+
+import cupy
+import numpy
+
+from cupy_merge import _kernels
+from cupy_merge.backward import merge_states_backward, merge_states_varlen_backward
+from cupy_merge.tools.sweep import _dtype
+from cupy_merge.tools.timing import copy_us, median_ms
+
+HEADS, HEAD_SIZE = 32, 128
+launches = []
+_prepare = _kernels.prepare
+
+
+def _recording(launch, device, *args, **kwargs):
+    launches.append((launch, device))
+    return _prepare(launch, device, *args, **kwargs)
+
+
+_kernels.prepare = _recording
+
+
+def waves(launch, device) -> tuple[int, int, float]:
+    """(blocks, blocks a multiprocessor holds, waves) of one launch."""
+    function = _kernels.get_function(launch.module, launch.kernel, device)
+    per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        function.pointer, int(numpy.prod(launch.block)), launch.shared_bytes
+    )
+    sms = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+    blocks = int(numpy.prod(launch.grid))
+    return blocks, per_sm, blocks / (per_sm * sms)
+
+
+def row(label: str, call, nbytes: int) -> str:
+    launches.clear()
+    call()
+    blocks, per_sm, w = waves(*launches[0])
+    percent = 100 * copy_us(nbytes) / (median_ms(call) * 1e3)
+    return f"{label:<28} {len(launches):>8} {blocks:>7} {per_sm:>6} {w:>6.2f} {percent:>7.1f}"
+
+
+def main() -> None:
+    rng = numpy.random.default_rng(0)
+
+    def values(*shape):
+        return cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32)).astype(_dtype("bfloat16"))
+
+    def lses(*shape):
+        return cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32) * 4)
+
+    print(f"{'case':<28} {'launches':>8} {'blocks':>7} {'per SM':>6} {'waves':>6} {'% copy':>7}")
+    for tokens in (1024, 1200, 1290, 1400, 1536, 1650, 2048):
+        v, s = values(16, tokens, HEADS, HEAD_SIZE), lses(16, HEADS, tokens)
+        grad, grad_s = values(tokens, HEADS, HEAD_SIZE), lses(HEADS, tokens)
+        nbytes = 2 * (v.nbytes + s.nbytes) + grad.nbytes + grad_s.nbytes
+        print(row(f"S=16 T={tokens}", functools.partial(merge_states_backward, v, s, grad, grad_s), nbytes))
+    # The same grids with the states a different distance apart (a stack of `apart` tokens, the
+    # first `tokens` of each state taken): whether a power-of-two distance costs time.
+    for tokens, apart in ((1024, 1025), (1024, 1040), (1024, 1536), (1290, 2048), (1650, 2048)):
+        v = values(16, apart, HEADS, HEAD_SIZE)[:, :tokens]
+        s = lses(16, HEADS, apart)[:, :, :tokens]
+        grad, grad_s = values(tokens, HEADS, HEAD_SIZE), lses(HEADS, tokens)
+        nbytes = 2 * (v.size * 2 + s.size * 4) + grad.nbytes + grad_s.nbytes
+        call = functools.partial(merge_states_backward, v, s, grad, grad_s)
+        print(row(f"S=16 T={tokens} apart {apart}", call, nbytes))
+    for tokens in (512, 600, 660, 792, 900, 1024):
+        counts = rng.integers(0, 17, size=tokens)
+        indptr = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(counts)]).astype(numpy.int32))
+        rows = int(counts.sum())
+        v, s = values(rows, HEADS, HEAD_SIZE), lses(HEADS, rows)
+        grad, grad_s = values(tokens, HEADS, HEAD_SIZE), lses(HEADS, tokens)
+        nbytes = 2 * (v.nbytes + s.nbytes) + grad.nbytes + grad_s.nbytes
+        print(
+            row(
+                f"ragged T={tokens} mean 8",
+                functools.partial(merge_states_varlen_backward, v, s, indptr, grad, grad_s),
+                nbytes,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
