@@ -57,6 +57,19 @@ def gradient_cases() -> dict:
     v, s = randn(rows, HEADS, HEAD_SIZE), randn(HEADS, rows, dtype=torch.float32)
     grad_t, grad_st = randn(4096, HEADS, HEAD_SIZE), randn(HEADS, 4096, dtype=torch.float32)
     cases["ragged backward T=4096"] = lambda: cm.merge_states_varlen_backward(v, s, indptr, grad_t, grad_st)
+    # Few rows of many states: the kernel given the merge's results.
+    tokens = 64
+    grad_64, grad_s64 = randn(tokens, HEADS, HEAD_SIZE), randn(HEADS, tokens, dtype=torch.float32)
+    v_64, s_64 = randn(64, tokens, HEADS, HEAD_SIZE), randn(64, HEADS, tokens, dtype=torch.float32)
+    out, out_lse = cm.merge_states(v_64, s_64)
+    cases["n-way backward given results S=64 T=64"] = lambda: cm.merge_states_backward(
+        v_64, s_64, grad_64, grad_s64, out=out, out_lse=out_lse)  # fmt: skip
+    indptr_100 = ragged_offsets(100, tokens)
+    rows = int(indptr_100[-1])
+    v_100, s_100 = randn(rows, HEADS, HEAD_SIZE), randn(HEADS, rows, dtype=torch.float32)
+    out_100, out_lse_100 = cm.merge_states_varlen(v_100, s_100, indptr_100)
+    cases["ragged backward given results T=64 mean 100"] = lambda: cm.merge_states_varlen_backward(
+        v_100, s_100, indptr_100, grad_64, grad_s64, out=out_100, out_lse=out_lse_100)  # fmt: skip
     return cases
 
 
