@@ -87,6 +87,9 @@ BACKWARD_VARIANTS = {
     "no-splits": {**_RECOMPUTE, "backward_split_chunks": 2**62},
     "split1": {**_RECOMPUTE, "backward_split_chunks": 1},
     "two-packs": {**_RECOMPUTE, "backward_two_pack_rows": 0},
+    # One pack a lane for every row (twice the lanes and blocks of two), one group, no splits.
+    "one-pack": {**_RECOMPUTE, "backward_two_pack_rows": 2**62, "backward_busy_threads": 2**62,
+                 "backward_groups": 1, "backward_split_chunks": 2**62},
     "fold1": {**_RECOMPUTE, "backward_fold": 1},  # a dependent load a state, as session 13's fold
     "fold4": {**_RECOMPUTE, "backward_fold": 4},
     "no-prefetch": {**_RECOMPUTE, "backward_prefetch": False, "backward_async": False},
