@@ -155,6 +155,25 @@ rows, rows_s = random_states(int(indptr[-1]), 8, 64, lse_shape=(8, int(indptr[-1
 got = cm.merge_states_varlen_backward(cupy.asarray(rows), cupy.asarray(rows_s), cupy.asarray(indptr), cupy.asarray(grad))
 want = reference.merge_states_varlen_backward(rows, rows_s, indptr, grad)
 check("backward ragged, two packs a lane", got[1], want[1], 1e-5)
+# bfloat16 (pairs widened from their 32-bit word), rows of 16 states staged two packs a lane, and
+# ragged rows: the reference takes the values as rounded to bfloat16.
+for label, ragged in (("N-way", False), ("ragged", True)):
+    if ragged:
+        offsets = numpy.concatenate([[0], numpy.cumsum(rng.integers(0, 17, 1024))]).astype(numpy.int32)
+        rows, rows_s = random_states(int(offsets[-1]), 8, 128, lse_shape=(8, int(offsets[-1])))
+    else:
+        rows, rows_s = random_states(16, 1024, 8, 128, lse_shape=(16, 8, 1024))
+    rows = rows.astype(ml_dtypes.bfloat16)
+    grad = rng.standard_normal((1024, 8, 128)).astype(ml_dtypes.bfloat16)
+    wide = rows.astype(numpy.float64), grad.astype(numpy.float64)
+    if ragged:
+        got = cm.merge_states_varlen_backward(cupy.asarray(rows), cupy.asarray(rows_s), cupy.asarray(offsets), cupy.asarray(grad))
+        want = reference.merge_states_varlen_backward(wide[0], rows_s, offsets, wide[1])
+    else:
+        got = cm.merge_states_backward(cupy.asarray(rows), cupy.asarray(rows_s), cupy.asarray(grad))
+        want = reference.merge_states_backward(wide[0], rows_s, wide[1])
+    check(f"backward {label} bfloat16, staged", got[0], want[0], 1e-2)
+    check(f"backward {label} bfloat16, staged (LSE)", got[1], want[1], 1e-2)
 # Few long ragged tokens split over blocks: leading rows, an empty token, one past the rows.
 indptr = numpy.array([3, 3, 400, 403, 1300, 2000], dtype=numpy.int32)
 rows, rows_s = random_states(1304, 2, 64, lse_shape=(2, 1304))
