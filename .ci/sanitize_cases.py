@@ -163,14 +163,14 @@ for label, ragged in (("N-way", False), ("ragged", True)):
         rows, rows_s = random_states(int(offsets[-1]), 8, 128, lse_shape=(8, int(offsets[-1])))
     else:
         rows, rows_s = random_states(16, 1024, 8, 128, lse_shape=(16, 8, 1024))
-    rows = rows.astype(ml_dtypes.bfloat16)
-    grad = rng.standard_normal((1024, 8, 128)).astype(ml_dtypes.bfloat16)
-    wide = rows.astype(numpy.float64), grad.astype(numpy.float64)
+    grad = rng.standard_normal((1024, 8, 128)).astype(numpy.float32)
+    on_gpu = [cupy.asarray(x).astype(ml_dtypes.bfloat16) for x in (rows, grad)]  # rounded on the GPU, as the tests do
+    wide = [x.astype(ml_dtypes.bfloat16).astype(numpy.float64) for x in (rows, grad)]
     if ragged:
-        got = cm.merge_states_varlen_backward(cupy.asarray(rows), cupy.asarray(rows_s), cupy.asarray(offsets), cupy.asarray(grad))
+        got = cm.merge_states_varlen_backward(on_gpu[0], cupy.asarray(rows_s), cupy.asarray(offsets), on_gpu[1])
         want = reference.merge_states_varlen_backward(wide[0], rows_s, offsets, wide[1])
     else:
-        got = cm.merge_states_backward(cupy.asarray(rows), cupy.asarray(rows_s), cupy.asarray(grad))
+        got = cm.merge_states_backward(on_gpu[0], cupy.asarray(rows_s), on_gpu[1])
         want = reference.merge_states_backward(wide[0], rows_s, wide[1])
     check(f"backward {label} bfloat16, staged", got[0], want[0], 1e-2)
     check(f"backward {label} bfloat16, staged (LSE)", got[1], want[1], 1e-2)
