@@ -16,7 +16,7 @@ import numpy
 
 from cupy_merge import _kernels
 from cupy_merge.backward import merge_states_backward, merge_states_varlen_backward
-from cupy_merge.tools.sweep import _dtype
+from cupy_merge.tools.sweep import _states
 from cupy_merge.tools.timing import copy_us, median_ms
 
 HEADS, HEAD_SIZE = 32, 128
@@ -51,44 +51,36 @@ def row(label: str, call, nbytes: int) -> str:
     return f"{label:<28} {len(launches):>8} {blocks:>7} {per_sm:>6} {w:>6.2f} {percent:>7.1f}"
 
 
+def gradients(rng, v, s, indptr, tokens: int):
+    """The gradients' call for the states ``v``, ``s`` (ragged: ``indptr``) of ``tokens`` tokens, and
+    the bytes it moves (the states read and their gradients written, dV and dS read)."""
+    grad = cupy.asarray(rng.standard_normal((tokens, HEADS, HEAD_SIZE), dtype=numpy.float32)).astype(v.dtype)
+    grad_s = cupy.asarray(rng.standard_normal((HEADS, tokens), dtype=numpy.float32))
+    nbytes = 2 * (v.size * v.itemsize + s.size * s.itemsize) + grad.nbytes + grad_s.nbytes
+    if indptr is None:
+        return functools.partial(merge_states_backward, v, s, grad, grad_s), nbytes
+    return functools.partial(merge_states_varlen_backward, v, s, indptr, grad, grad_s), nbytes
+
+
 def main() -> None:
     rng = numpy.random.default_rng(0)
-
-    def values(*shape):
-        return cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32)).astype(_dtype("bfloat16"))
-
-    def lses(*shape):
-        return cupy.asarray(rng.standard_normal(shape, dtype=numpy.float32) * 4)
-
     print(f"{'case':<28} {'launches':>8} {'blocks':>7} {'per SM':>6} {'waves':>6} {'% copy':>7}")
     for tokens in (1024, 1200, 1290, 1400, 1536, 1650, 2048):
-        v, s = values(16, tokens, HEADS, HEAD_SIZE), lses(16, HEADS, tokens)
-        grad, grad_s = values(tokens, HEADS, HEAD_SIZE), lses(HEADS, tokens)
-        nbytes = 2 * (v.nbytes + s.nbytes) + grad.nbytes + grad_s.nbytes
-        print(row(f"S=16 T={tokens}", functools.partial(merge_states_backward, v, s, grad, grad_s), nbytes))
+        v, s, _, label = _states(rng, 16, tokens, HEADS, HEAD_SIZE)
+        print(row(label, *gradients(rng, v, s, None, tokens)))
     # The same grids with the states a different distance apart (a stack of `apart` tokens, the
     # first `tokens` of each state taken): whether a power-of-two distance costs time.
     for tokens, apart in ((1024, 1025), (1024, 1040), (1024, 1536), (1290, 2048), (1650, 2048)):
-        v = values(16, apart, HEADS, HEAD_SIZE)[:, :tokens]
-        s = lses(16, HEADS, apart)[:, :, :tokens]
-        grad, grad_s = values(tokens, HEADS, HEAD_SIZE), lses(HEADS, tokens)
-        nbytes = 2 * (v.size * 2 + s.size * 4) + grad.nbytes + grad_s.nbytes
-        call = functools.partial(merge_states_backward, v, s, grad, grad_s)
-        print(row(f"S=16 T={tokens} apart {apart}", call, nbytes))
-    for tokens in (512, 600, 660, 792, 900, 1024):
-        counts = rng.integers(0, 17, size=tokens)
-        indptr = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(counts)]).astype(numpy.int32))
-        rows = int(counts.sum())
-        v, s = values(rows, HEADS, HEAD_SIZE), lses(HEADS, rows)
-        grad, grad_s = values(tokens, HEADS, HEAD_SIZE), lses(HEADS, tokens)
-        nbytes = 2 * (v.nbytes + s.nbytes) + grad.nbytes + grad_s.nbytes
+        v, s, _, _ = _states(rng, 16, apart, HEADS, HEAD_SIZE)
         print(
             row(
-                f"ragged T={tokens} mean 8",
-                functools.partial(merge_states_varlen_backward, v, s, indptr, grad, grad_s),
-                nbytes,
+                f"S=16 T={tokens} apart {apart}",
+                *gradients(rng, v[:, :tokens], s[:, :, :tokens], None, tokens),
             )
         )
+    for tokens in (512, 600, 660, 792, 900, 1024):  # 0..16 states a token
+        v, s, indptr, label = _states(rng, -8, tokens, HEADS, HEAD_SIZE)
+        print(row(label, *gradients(rng, v, s, indptr, tokens)))
 
 
 if __name__ == "__main__":
