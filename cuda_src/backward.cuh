@@ -73,6 +73,14 @@ struct StatePointers {
   __device__ __forceinline__ T* at(Index i) const { return i == 0 ? first : rest + (i - 1) * stride; }
 };
 
+// Asks L2 for the line holding `address` (no register waits on it). Rows whose chunks are held in
+// registers prefetch their next chunk as they load one (MERGE_PREFETCH, the tuning's
+// backward_prefetch): they were latency-bound at the occupancy their registers allow (session
+// 14, ncu). Staged rows do not: with two chunks staged it measured 1-5 points slower (session 16).
+__device__ __forceinline__ void prefetch_l2(const void* address) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(address));
+}
+
 // Copies global memory to shared without a register waiting on it (cp.async, sm_80 and newer):
 // a thread's copies form groups (commit_async), and wait_async<N> waits for all but its newest N
 // groups, after which the thread itself may read what they wrote.

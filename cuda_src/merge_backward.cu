@@ -95,14 +95,6 @@ constexpr int kBackwardMinBlocks = sizeof(Index) != 4                           
                                          !kBackwardStaged<TIn, VEC, PACKS, SHORT, RAGGED> ? 4
                                                                                          : 5;
 
-// Asks L2 for the line holding `address` (no register waits on it). Rows whose chunks are held in
-// registers prefetch their next chunk as they load one (MERGE_PREFETCH, the tuning's
-// backward_prefetch): they were latency-bound at the occupancy their registers allow (session
-// 14, ncu). Staged rows do not: with two chunks staged it measured 1-5 points slower (session 16).
-__device__ __forceinline__ void prefetch_l2(const void* address) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(address));
-}
-
 // A group's part of a row's merged LSE: the running maximum, the sum of exp(s - top), any NaN.
 struct GroupFold {
   float top, total;

@@ -13,22 +13,38 @@
 // grid-stride loop over rows; gridDim.y splits, split y taking the row's chunks y, y + splits, ...
 // of kChunk states. PACKS (1 or 2): a row is 1 to PACKS x lanes packs, each lane holding its
 // packs of dV in registers; 0: any head_size (rows loop over their packs).
+//
+// On sm_90 and sm_100 (kStagingFits) a thread stages its chunks in shared memory through
+// cp.async, two in flight (MERGE_ASYNC), as merge_backward.cu's: held in registers, a thread's
+// chunk loads waited one after another, few blocks a multiprocessor (rows of 64 states: 0.78
+// waves, 22 % of warps active, session 18). Held chunks ask L2 for the next (MERGE_PREFETCH).
 #include "backward.cuh"
 #include "grid.cuh"
 
 #ifndef MERGE_CHUNK
 #define MERGE_CHUNK 4
 #endif
+#ifndef MERGE_PREFETCH
+#define MERGE_PREFETCH 1
+#endif
+#ifndef MERGE_ASYNC
+#define MERGE_ASYNC 1
+#endif
 
 namespace cupy_merge {
 
 // Blocks a multiprocessor keeps, with 32-bit offsets: without a bound ptxas took 108 registers
 // (dense rows of two packs a lane), 114 (ragged) and 64-79 (one pack); ragged rows spill at 5 and 8.
-template <typename Index, int PACKS, bool RAGGED>
-constexpr int kFromOutputMinBlocks = sizeof(Index) != 4 ? 1 : RAGGED ? (PACKS == 2 ? 4 : 6) : (PACKS == 2 ? 5 : 8);
+// Staged, ragged rows of two packs a lane hold no chunk in registers either: held to 5.
+template <typename TIn, int VEC, int PACKS>
+constexpr bool kFromOutputStaged = kStaged<MERGE_ASYNC, TIn, VEC, PACKS, MERGE_CHUNK>;
+template <typename Index, int PACKS, bool RAGGED, bool STAGED>
+constexpr int kFromOutputMinBlocks = sizeof(Index) != 4 ? 1
+                                     : RAGGED           ? (PACKS == 2 ? (STAGED ? 5 : 4) : 6)
+                                                        : (PACKS == 2 ? 5 : 8);
 
 template <typename TIn, typename TOut, int VEC, int PACKS, bool RAGGED, bool SINKS, typename Index>
-__global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, PACKS, RAGGED>) merge_states_backward_from_output(
+__global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, PACKS, RAGGED, kFromOutputStaged<TIn, VEC, PACKS>>) merge_states_backward_from_output(
     TIn* __restrict__ gv0, TIn* __restrict__ gv1, float* __restrict__ gs0, float* __restrict__ gs1,
     float* grad_sinks,
     const TIn* __restrict__ v0, const TIn* __restrict__ v1, const float* __restrict__ s0, const float* __restrict__ s1,
@@ -52,8 +68,14 @@ __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, 
   constexpr int kChunk = MERGE_CHUNK;             // states loaded together
   using InPack = Pack<TIn, VEC>;
   using OutPack = Pack<TOut, VEC>;
+  constexpr bool kAsync = kFromOutputStaged<TIn, VEC, PACKS>;
+  using Stages = StagedChunks<InPack, kChunk, kHeld>;
+  __shared__ __align__(16) unsigned char staged_values[kAsync ? Stages::kValueBytes : 16];
+  __shared__ float staged_lses[kAsync ? Stages::kLses : 1];
   launch_dependents();
   const int lane = threadIdx.x;
+  const Stages staged{reinterpret_cast<InPack*>(staged_values), staged_lses,
+                      static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x)};
   const Index split = static_cast<Index>(blockIdx.y), splits = static_cast<Index>(gridDim.y);
   const Index packs = static_cast<Index>(head_size / VEC);
   const int row_lanes = static_cast<int>(lanes);
@@ -93,6 +115,15 @@ __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, 
     // State i (0 <= i < loop_count) as loaded: past the row's count the last (or the batch's
     // first, for none) stands in, and is not used: the loads are unconditional.
     auto loaded = [&](Index i) { return count == 0 ? 0 : first + min(i, count - 1); };
+    // This split's chunks: states i0 .. i0 + kChunk - 1 for i0 = first_chunk, + chunk_step, ...
+    const Index first_chunk = split * kChunk, chunk_step = splits * kChunk;
+    auto stage_chunk = [&](Index i0, int stage) {  // kAsync: chunk i0 into `stage`
+      if constexpr (kAsync) staged.copy(stage, i0 < loop_count, [&](int j) { return loaded(i0 + j); }, lse_at, v_at, pack);
+    };
+    if constexpr (kAsync) {  // issued before the row's own loads below, which need nothing of them
+      stage_chunk(first_chunk, 0);
+      stage_chunk(first_chunk + chunk_step, 1);
+    }
 
     // The row's S, dS, its lanes' packs of dV and <dV, V>: loads issued together with the first
     // chunk's below (nothing of theirs depends on these).
@@ -137,16 +168,33 @@ __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, 
     };
 
     if constexpr (PACKS > 0) {
-      float lse[kChunk];
-      InPack x[kChunk][kHeld];
+      int stage = 0;
 #pragma unroll 1
-      for (Index i0 = split * kChunk; i0 < loop_count; i0 += splits * kChunk) {
+      for (Index i0 = first_chunk; i0 < loop_count; i0 += chunk_step, stage ^= 1) {
+        // Held: the chunk's loads together, then L2 asked for the next chunk's values. Staged:
+        // each state's packs read from shared memory just before their use (fewer registers).
+        float lse[kChunk];
+        InPack x[kChunk][kHeld];
+        if constexpr (kAsync) {
+          wait_async<1>();  // this chunk's group (the next chunk's may still be out)
 #pragma unroll
-        for (int j = 0; j < kChunk; ++j) {
-          const float s = empty_if_inf(*lse_at.at(loaded(i0 + j))) * to_natural;
-          lse[j] = i0 + j < count ? s : negative_infinity();
+          for (int j = 0; j < kChunk; ++j) lse[j] = staged.lse(stage, j);
+        } else {
 #pragma unroll
-          for (int q = 0; q < kHeld; ++q) x[j][q] = load_pack(reinterpret_cast<const InPack*>(v_at.at(loaded(i0 + j))) + pack[q]);
+          for (int j = 0; j < kChunk; ++j) {
+            lse[j] = *lse_at.at(loaded(i0 + j));
+#pragma unroll
+            for (int q = 0; q < kHeld; ++q) x[j][q] = load_pack(reinterpret_cast<const InPack*>(v_at.at(loaded(i0 + j))) + pack[q]);
+          }
+          if (MERGE_PREFETCH && i0 + chunk_step < loop_count) {  // uniform across the warp
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j) {
+#pragma unroll
+              for (int q = 0; q < kHeld; ++q) {
+                prefetch_l2(reinterpret_cast<const InPack*>(v_at.at(loaded(i0 + chunk_step + j))) + pack[q]);
+              }
+            }
+          }
         }
         // Every state of the chunk, past the row too (weight 0, nothing stored): each one's value
         // gradients and this lane's part of <dV, V_i>, then the row's sums of all of them together.
@@ -154,17 +202,19 @@ __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, 
 #pragma unroll
         for (int j = 0; j < kChunk; ++j) {
           const Index i = i0 + j;
-          w[j] = i < count ? weight(lse[j]) : 0.0f;
+          w[j] = i < count ? weight(empty_if_inf(lse[j]) * to_natural) : 0.0f;
           d[j] = 0.0f;
 #pragma unroll
           for (int q = 0; q < kHeld; ++q) {
             float part = 0.0f;
-            const InPack g = state_gradient<TIn, VEC>(w[j], x[j][q], dV[q], part);
+            const InPack x_jq = kAsync ? staged.value(stage, j, q) : x[j][q];
+            const InPack g = state_gradient<TIn, VEC>(w[j], x_jq, dV[q], part);
             d[j] += has_pack[q] ? part : 0.0f;  // a pack past the row's is its first: 0 x inf would be NaN
             InPack* const to = reinterpret_cast<InPack*>(gv_at.at(first + i)) + pack[q];  // outside the test: a predicated store
             if (valid && i < count && has_pack[q]) store_pack(to, g);
           }
         }
+        stage_chunk(i0 + 2 * chunk_step, stage);  // staged: after this chunk's reads
         row_sums(d, row_lanes);
 #pragma unroll
         for (int j = 0; j < kChunk; ++j) {

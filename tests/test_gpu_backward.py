@@ -214,18 +214,60 @@ def test_an_infinite_value_gives_the_references_infinities_not_nan(rng, num_stat
     assert relative_error(got_s[finite], want_s[finite]) <= TOLERANCE["float32"]
 
 
-def test_zero_weight_states_with_nan_values_get_zero_gradients(rng):
-    v = rng.standard_normal((5, 4, 2, 32)).astype(np.float32)
-    s = rng.standard_normal((5, 2, 4)).astype(np.float32)
-    v[2] = np.nan
-    s[2] = -3.0e38
-    got_v, got_s, _ = backward.merge_states_backward(
-        to_device(v, "float32"), to_device(s, "float32"), to_device(rng.standard_normal((4, 2, 32)), "float32"),
-        to_device(rng.standard_normal((2, 4)), "float32"),
-    )  # fmt: skip
-    got_v, got_s = to_host(got_v), to_host(got_s)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("num_states, head_size", [(2, 32), (5, 3), (20, 64), (20, 1024)])
+def test_zero_weight_states_with_nan_values_get_zero_gradients(rng, dtype, ragged, num_states, head_size):
+    """A state of weight 0 (LSE -3e38 beside finite ones) whose values are NaN gets zero gradients
+    and leaves the others' finite: short rows, chunks (staged; given the results from 16 states),
+    one-element packs, lanes looping over packs (1024), dense and ragged (the same states token by
+    token)."""
+    import cupy
+
+    tokens, heads = 4, 2
+    v = rng.standard_normal((num_states, tokens, heads, head_size))
+    s = rng.standard_normal((num_states, heads, tokens))
+    v[1] = np.nan
+    s[1] = -3.0e38
+    grad_v = to_device(rng.standard_normal((tokens, heads, head_size)), dtype)
+    grad_s = to_device(rng.standard_normal((heads, tokens)), "float32")
+    if ragged:  # token t's states are rows t * num_states ...
+        rows_v = v.transpose(1, 0, 2, 3).reshape(tokens * num_states, heads, head_size)
+        rows_s = np.ascontiguousarray(s.transpose(1, 2, 0).reshape(heads, tokens * num_states))
+        indptr = cupy.arange(0, tokens * num_states + 1, num_states, dtype=cupy.int64)
+        got_v, got_s, _ = cm.merge_states_varlen_backward(to_device(rows_v, dtype), to_device(rows_s, "float32"), indptr,
+                                                          grad_v, grad_s)  # fmt: skip
+        got_v = to_host(got_v).reshape(tokens, num_states, heads, head_size).transpose(1, 0, 2, 3)
+        got_s = to_host(got_s).reshape(heads, tokens, num_states).transpose(2, 0, 1)
+    else:
+        got_v, got_s, _ = backward.merge_states_backward(to_device(v, dtype), to_device(s, "float32"), grad_v, grad_s)
+        got_v, got_s = to_host(got_v), to_host(got_s)
     assert np.isfinite(got_v).all() and np.isfinite(got_s).all()
-    assert (got_v[2] == 0).all() and (got_s[2] == 0).all()
+    assert (got_v[1] == 0).all() and (got_s[1] == 0).all()
+
+
+def test_a_ragged_token_with_a_nan_lse_beside_longer_tokens_follows_the_reference(rng):
+    """Rows of one warp loop to its longest (tokens of 3, 40, 7 and 40 states, 2 heads, rows of 8
+    lanes): a NaN LSE makes its row's gradients NaN and no other's, the rows it shares a warp with
+    included."""
+    import cupy
+
+    counts, heads, head_size = [3, 40, 7, 40], 2, 128
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    rows = int(indptr[-1])
+    v = to_host(to_device(rng.standard_normal((rows, heads, head_size)), "bfloat16"))
+    lse = (rng.standard_normal((heads, rows)) * 2).astype(np.float32)
+    lse[0, 1] = np.nan  # token 0, head 0
+    grad_v = to_host(to_device(rng.standard_normal((len(counts), heads, head_size)), "bfloat16"))
+    grad_s = rng.standard_normal((heads, len(counts))).astype(np.float32)
+    got = cm.merge_states_varlen_backward(to_device(v, "bfloat16"), to_device(lse, "float32"), cupy.asarray(indptr),
+                                          to_device(grad_v, "bfloat16"), to_device(grad_s, "float32"))  # fmt: skip
+    want = reference.merge_states_varlen_backward(v, lse, indptr, grad_v, grad_s)
+    for index, what in enumerate(["grad of v", "grad of s"]):
+        got_host = to_host(got[index])
+        nan = np.isnan(want[index])
+        assert nan.any() and (np.isnan(got_host) == nan).all(), f"{what}: NaN where the reference has none, or not"
+        assert relative_error(got_host[~nan], want[index][~nan]) <= _tolerance["now"]["bfloat16"], what
 
 
 @pytest.mark.parametrize("num_states", [2, 5, 130])
@@ -433,21 +475,24 @@ def test_a_ragged_batch_of_few_long_tokens_splits_and_zeroes_what_no_token_owns(
 
 
 @pytest.mark.parametrize("merge_results", ["given results"], indirect=True)
+@pytest.mark.parametrize("staged", [True, False])  # chunks staged in shared memory (cp.async), or held in registers
 @pytest.mark.parametrize("two_pack_rows", [0, 2**62])  # two packs a lane, or one
 @pytest.mark.parametrize("busy_threads", [1, 2**30])  # one block a row, or a block a chunk of its states
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("num_states, head_size, dtype", [
     (3, 128, "bfloat16"), (37, 64, "float32"), (300, 128, "float16"), (6, 1024, "float32"),  # 1024: lanes loop over packs
 ])  # fmt: skip
-def test_every_way_through_a_row_given_the_merges_results_follows_the_reference(rng, two_pack_rows, busy_threads,
-                                                                                ragged, num_states, head_size, dtype):  # fmt: skip
+def test_every_way_through_a_row_given_the_merges_results_follows_the_reference(rng, staged, two_pack_rows,
+                                                                                busy_threads, ragged, num_states,
+                                                                                head_size, dtype):  # fmt: skip
     """The kernel given ``out`` and ``out_lse`` (its rows' states independent): one or two packs a
-    lane or lanes looping over packs, a row's states in one block or split over many, dense and
-    ragged (rows before and after the tokens'), sinks' gradients summed over every block."""
+    lane (their chunks staged or held) or lanes looping over packs, a row's states in one block or
+    split over many, dense and ragged (rows before and after the tokens'), sinks' gradients summed
+    over every block."""
     from cupy_merge import _tuning
 
     tuning = _tuning.DEFAULT.replace(backward_from_output_two_pack_rows=two_pack_rows, backward_from_output_states=2,
-                                     backward_busy_threads=busy_threads,
+                                     backward_busy_threads=busy_threads, backward_async=staged,
                                      backward_from_output_ragged_busy_threads=busy_threads)  # fmt: skip
     precision = "float32" if dtype == "float32" else "bfloat16"
     _expect_the_references_gradients(rng, tuning, num_states, 5, 3, head_size, dtype, ragged, np.int32,
