@@ -75,8 +75,8 @@ class Tuning:
     #: (a dependent load a state) left rows of hundreds of states waiting on memory (session 14).
     backward_fold: int = 8
     #: Gradients: rows that are not short ask L2 for their next chunk of states as they load one
-    #: (MERGE_PREFETCH; where their chunks are held in registers): they wait on memory at the
-    #: occupancy their registers allow (session 14).
+    #: (MERGE_PREFETCH; where their chunks are held in registers, in both gradient kernels): they
+    #: wait on memory at the occupancy their registers allow (session 14).
     backward_prefetch: bool = True
     #: Gradients recomputing S: rows that are not short stage their chunks in shared memory
     #: through cp.async, two chunks in flight a thread, rather than hold one in registers across
@@ -85,6 +85,7 @@ class Tuning:
     #: registers 128 -> 92 (two packs a lane, 5 blocks where 4), 131072 rows of 8 states 78 -> 85 %
     #: of the copy, ragged 4096 tokens of ~8 83 -> 91 %, 512 tokens 72 -> 77 %; rows of 16 states
     #: 80 -> 78 % (two of their four chunks in flight at once, where the L2 prefetch had a third).
+    #: The kernel given the results stages its chunks too (session 19).
     backward_async: bool = True
     #: Gradients given the merge's results (``out``, ``out_lse``): fewer rows than this of at least
     #: backward_from_output_states states (ragged: on average) take the kernel that reads them
@@ -95,9 +96,11 @@ class Tuning:
     #: %; from 16384 rows, and rows of 8 or fewer states, 1-12 points below.
     backward_from_output_rows: int = 16384
     backward_from_output_states: int = 16
-    #: ... its threads as for the other kernel (backward_busy_threads), ragged batches' twice that
-    #: (their longest rows decide: 256 rows of ~500 states 68 -> 77 %, session 15) ...
-    backward_from_output_ragged_busy_threads: int = 131072
+    #: ... its threads as for the other kernel (backward_busy_threads), ragged batches' four times
+    #: that (their longest rows decide: 256 rows of ~500 states 68 -> 77 % at twice, session 15;
+    #: with the chunks staged, twice -> four times: 2048 rows of ~100 states 77.5 -> 80.3 %, 256
+    #: rows of ~500 84.0 -> 85.9, where dense rows lost 3-6 points at more or fewer, session 19) ...
+    backward_from_output_ragged_busy_threads: int = 262144
     #: ... and two packs a lane from this many rows (one below; where a row has more than one):
     #: one measured 5-17 points lower at 32-2048 rows, within 2 from 16384 (session 15).
     backward_from_output_two_pack_rows: int = 0

@@ -78,6 +78,15 @@ BACKWARD_VARIANTS = {
     "given-all": {"backward_from_output_states": 2, "backward_from_output_rows": 2**62},  # every case
     "given-1pack": {"backward_from_output_two_pack_rows": 2**62},
     "given-2pack": {"backward_from_output_two_pack_rows": 0},
+    # The kernel given the results with its chunks held in registers (session 18's), with and
+    # without asking L2 for the next; recomputing cases as "held" and "no-prefetch".
+    "given-held": {"backward_async": False},
+    "given-no-prefetch": {"backward_async": False, "backward_prefetch": False},
+    # Half and twice the splits of the kernel given the results (dense and ragged).
+    "given-busy-half": {"backward_busy_threads": _tuning.DEFAULT.backward_busy_threads // 2,
+                        "backward_from_output_ragged_busy_threads": _tuning.DEFAULT.backward_from_output_ragged_busy_threads // 2},
+    "given-busy2x": {"backward_busy_threads": 2 * _tuning.DEFAULT.backward_busy_threads,
+                     "backward_from_output_ragged_busy_threads": 2 * _tuning.DEFAULT.backward_from_output_ragged_busy_threads},
     "busy2x": {"backward_busy_threads": 2 * _tuning.DEFAULT.backward_busy_threads},
     "busy4x": {"backward_busy_threads": 4 * _tuning.DEFAULT.backward_busy_threads},
     # Many rows split over groups too (more, smaller blocks of work: fewer idle slots in the last wave).
