@@ -6,15 +6,16 @@ occupancy calculator), the waves they make, and the gradients' time as % of a sa
 time; a flat one that it does not. Then dense rows whose states are a stack of more tokens than
 they use: whether the states' distance apart (a power of two or not) costs time.
 
-Usage (on the GPU machine): python3 .ci/waves.py
+Usage (on the GPU machine): python3 .ci/waves.py [held]   (held: chunks held in registers, not staged)
 """
 
 import functools
+import sys
 
 import cupy
 import numpy
 
-from cupy_merge import _kernels
+from cupy_merge import _kernels, _tuning
 from cupy_merge.backward import merge_states_backward, merge_states_varlen_backward
 from cupy_merge.tools.sweep import _states
 from cupy_merge.tools.timing import copy_us, median_ms
@@ -65,7 +66,9 @@ def gradients(rng, v, s, indptr, tokens: int):
 def main() -> None:
     rng = numpy.random.default_rng(0)
     print(f"{'case':<28} {'launches':>8} {'blocks':>7} {'per SM':>6} {'waves':>6} {'% copy':>7}")
-    for tokens in (1024, 1200, 1290, 1400, 1536, 1650, 2048):
+    # 1040, 1552 and 2064: the grids of 1024, 1536 and 2048 tokens (within 2 %), whose states lie
+    # a multiple of 4 MiB apart, 8 KiB a state farther (session 19: 1024, 1536, 2048 the slowest).
+    for tokens in (1024, 1040, 1200, 1290, 1400, 1536, 1552, 1650, 2048, 2064):
         v, s, _, label = _states(rng, 16, tokens, HEADS, HEAD_SIZE)
         print(row(label, *gradients(rng, v, s, None, tokens)))
     # The same grids with the states a different distance apart (a stack of `apart` tokens, the
@@ -84,4 +87,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with _tuning.use(_tuning.DEFAULT.replace(backward_async="held" not in sys.argv[1:])):
+        main()
