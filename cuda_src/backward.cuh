@@ -8,6 +8,15 @@
 #include "packs.cuh"
 #include "ragged.cuh"
 
+// The tuning's options both gradient kernels read (cupy_merge/_tuning.py): the L2 prefetch of a
+// held chunk's successor, and chunks staged in shared memory.
+#ifndef MERGE_PREFETCH
+#define MERGE_PREFETCH 1
+#endif
+#ifndef MERGE_ASYNC
+#define MERGE_ASYNC 1
+#endif
+
 namespace cupy_merge {
 
 // Threads of a block (the planner's BACKWARD_THREADS).

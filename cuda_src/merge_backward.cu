@@ -52,12 +52,6 @@
 #ifndef MERGE_FOLD
 #define MERGE_FOLD 8
 #endif
-#ifndef MERGE_PREFETCH
-#define MERGE_PREFETCH 1
-#endif
-#ifndef MERGE_ASYNC
-#define MERGE_ASYNC 1
-#endif
 
 namespace cupy_merge {
 

@@ -24,12 +24,6 @@
 #ifndef MERGE_CHUNK
 #define MERGE_CHUNK 4
 #endif
-#ifndef MERGE_PREFETCH
-#define MERGE_PREFETCH 1
-#endif
-#ifndef MERGE_ASYNC
-#define MERGE_ASYNC 1
-#endif
 
 namespace cupy_merge {
 
