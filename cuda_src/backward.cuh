@@ -1,6 +1,6 @@
 // What the two gradient kernels share (merge_backward.cu, merge_backward_from_output.cu): the
 // block size, the weights, a row's sums, where a row's states are, and the zeroing of rows; and
-// the recomputing kernel's chunks staged in shared memory.
+// their chunks staged in shared memory (or, held in registers, the L2 prefetch).
 #pragma once
 
 #include "conversions.cuh"

@@ -14,8 +14,9 @@
 // of kChunk states. PACKS (1 or 2): a row is 1 to PACKS x lanes packs, each lane holding its
 // packs of dV in registers; 0: any head_size (rows loop over their packs).
 //
-// On sm_90 and sm_100 (kStagingFits) a thread stages its chunks in shared memory through
-// cp.async, two in flight (MERGE_ASYNC), as merge_backward.cu's: held in registers, a thread's
+// On sm_90 and sm_100 (kStagingFits) a thread stages its chunks (rows of 1 or 2 packs a lane of 4,
+// 8 or 16 bytes: kStaged) in shared memory through cp.async, two in flight (MERGE_ASYNC), as
+// merge_backward.cu's: held in registers, a thread's
 // chunk loads waited one after another, few blocks a multiprocessor (rows of 64 states: 0.78
 // waves, 22 % of warps active, session 18). Held chunks ask L2 for the next (MERGE_PREFETCH).
 #include "backward.cuh"
@@ -28,8 +29,9 @@
 namespace cupy_merge {
 
 // Blocks a multiprocessor keeps, with 32-bit offsets: without a bound ptxas took 108 registers
-// (dense rows of two packs a lane), 114 (ragged) and 64-79 (one pack); ragged rows spill at 5 and 8.
-// Staged, ragged rows of two packs a lane hold no chunk in registers either: held to 5.
+// (dense rows of two packs a lane), 114 (ragged) and 64-79 (one pack), chunks held; held ragged
+// rows spill at 5 and 8. Staged, ragged rows of two packs a lane fit 5 (96 registers, no spill;
+// ragged rows of one 16-byte pack spill 4 bytes at 6, session 19).
 template <typename TIn, int VEC, int PACKS>
 constexpr bool kFromOutputStaged = kStaged<MERGE_ASYNC, TIn, VEC, PACKS, MERGE_CHUNK>;
 template <typename Index, int PACKS, bool RAGGED, bool STAGED>
@@ -107,7 +109,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, 
     const auto gs_at = StatePointers<float, Index>::of(gs0, gs1, t0, head, gs0_stride_token, gs0_stride_head,
                                                        gs1_stride_token, gs1_stride_head, gs_stride_state);
     // State i (0 <= i < loop_count) as loaded: past the row's count the last (or the batch's
-    // first, for none) stands in, and is not used: the loads are unconditional.
+    // first, for none) stands in, and is not used: within a chunk the loads are unconditional.
     auto loaded = [&](Index i) { return count == 0 ? 0 : first + min(i, count - 1); };
     // This split's chunks: states i0 .. i0 + kChunk - 1 for i0 = first_chunk, + chunk_step, ...
     const Index first_chunk = split * kChunk, chunk_step = splits * kChunk;
@@ -119,8 +121,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, 
       stage_chunk(first_chunk + chunk_step, 1);
     }
 
-    // The row's S, dS, its lanes' packs of dV and <dV, V>: loads issued together with the first
-    // chunk's below (nothing of theirs depends on these).
+    // The row's S, dS, its lanes' packs of dV and <dV, V>: loads in flight with the first chunk's
+    // (staged: copied above; held: loaded below, nothing of theirs depending on these).
     const float S = out_lse[head * static_cast<Index>(out_lse_stride_head) + token * static_cast<Index>(out_lse_stride_token)] *
                     to_natural;
     const float dS = grad_lse == nullptr ? 0.0f

@@ -78,14 +78,15 @@ class Tuning:
     #: (MERGE_PREFETCH; where their chunks are held in registers, in both gradient kernels): they
     #: wait on memory at the occupancy their registers allow (session 14).
     backward_prefetch: bool = True
-    #: Gradients recomputing S: rows that are not short stage their chunks in shared memory
+    #: Gradients (both kernels): rows that are not short stage their chunks in shared memory
     #: through cp.async, two chunks in flight a thread, rather than hold one in registers across
     #: its loads' wait (MERGE_ASYNC; on sm_90 and sm_100, whose 228 KB of shared memory a
     #: multiprocessor holds 5 staged blocks; packs of 4, 8 or 16 bytes). Session 16:
     #: registers 128 -> 92 (two packs a lane, 5 blocks where 4), 131072 rows of 8 states 78 -> 85 %
     #: of the copy, ragged 4096 tokens of ~8 83 -> 91 %, 512 tokens 72 -> 77 %; rows of 16 states
     #: 80 -> 78 % (two of their four chunks in flight at once, where the L2 prefetch had a third).
-    #: The kernel given the results stages its chunks too (session 19).
+    #: The kernel given the results (session 19): rows of 64 states 76 -> 81 %, ragged rows of
+    #: ~100 71 -> 78 %, 256 rows of 8 91 -> 99 %.
     backward_async: bool = True
     #: Gradients given the merge's results (``out``, ``out_lse``): fewer rows than this of at least
     #: backward_from_output_states states (ragged: on average) take the kernel that reads them

@@ -481,7 +481,8 @@ def test_a_ragged_batch_of_few_long_tokens_splits_and_zeroes_what_no_token_owns(
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("num_states, head_size, dtype", [
     (3, 128, "bfloat16"), (37, 64, "float32"), (300, 128, "float16"), (6, 1024, "float32"),  # 1024: lanes loop over packs
-    (13, 6, "float16"), (13, 2, "float32"),  # packs of 4 and 8 bytes (cp.async's narrow copies, where staged)
+    # packs of 4 and 8 bytes (cp.async's narrow copies, where staged), one or two a lane
+    (13, 6, "float16"), (13, 2, "float32"), (13, 3, "float32"), (13, 6, "float32"),
 ])  # fmt: skip
 def test_every_way_through_a_row_given_the_merges_results_follows_the_reference(rng, staged, two_pack_rows,
                                                                                 busy_threads, ragged, num_states,

@@ -57,7 +57,7 @@ MANY_VARIANTS = {
     "pack8": {"min_pack_threads": 8},
     "head-blocks": {"packed_many_threads": 64, "min_row_threads": 16},
     "chunk2": {"merge_chunk": 2},
-    "chunk8": {"merge_chunk": 8},  # gradients: chunks too big to stage (held in registers)
+    "chunk8": {"merge_chunk": 8},  # gradients: chunks of 16-byte packs too big to stage (held in registers)
     "busy2x": {"busy_threads": 2 * _tuning.DEFAULT.busy_threads},  # twice the splits where rows are few
     "pdl": {"programmatic_launch": True},
 }
@@ -78,11 +78,12 @@ BACKWARD_VARIANTS = {
     "given-all": {"backward_from_output_states": 2, "backward_from_output_rows": 2**62},  # every case
     "given-1pack": {"backward_from_output_two_pack_rows": 2**62},
     "given-2pack": {"backward_from_output_two_pack_rows": 0},
-    # The kernel given the results with its chunks held in registers (session 18's), with and
-    # without asking L2 for the next; recomputing cases as "held" and "no-prefetch".
+    # The kernel given the results with its chunks held in registers, asking L2 for the next or
+    # not (session 18's kernel); recomputing cases as "held" and "no-prefetch".
     "given-held": {"backward_async": False},
     "given-no-prefetch": {"backward_async": False, "backward_prefetch": False},
-    # Half and twice the splits of the kernel given the results (dense and ragged).
+    # Half and twice the splits of the kernel given the results (dense and ragged; recomputing
+    # cases as a busy_threads variant).
     "given-busy-half": {"backward_busy_threads": _tuning.DEFAULT.backward_busy_threads // 2,
                         "backward_from_output_ragged_busy_threads": _tuning.DEFAULT.backward_from_output_ragged_busy_threads // 2},
     "given-busy2x": {"backward_busy_threads": 2 * _tuning.DEFAULT.backward_busy_threads,
