@@ -90,6 +90,17 @@ __device__ __forceinline__ void prefetch_l2(const void* address) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(address));
 }
 
+// L2 asked for a thread's packs `pack` of the values of states state(0) .. state(CHUNK - 1).
+template <int CHUNK, typename InPack, typename TIn, typename Index, int HELD, typename State>
+__device__ __forceinline__ void prefetch_chunk(const State& state, const StatePointers<const TIn, Index>& values_of,
+                                               const Index (&pack)[HELD]) {
+#pragma unroll
+  for (int j = 0; j < CHUNK; ++j) {
+#pragma unroll
+    for (int q = 0; q < HELD; ++q) prefetch_l2(reinterpret_cast<const InPack*>(values_of.at(state(j))) + pack[q]);
+  }
+}
+
 // Copies global memory to shared without a register waiting on it (cp.async, sm_80 and newer):
 // a thread's copies form groups (commit_async), and wait_async<N> waits for all but its newest N
 // groups, after which the thread itself may read what they wrote.

@@ -283,13 +283,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
       if constexpr (MERGE_PREFETCH && SHORT == 0) {
         const Index next = i0 + groups * kChunk;  // the group's next chunk
         if (next < loop_count) {  // uniform across the warp
-#pragma unroll
-          for (int j = 0; j < kChunk; ++j) {
-#pragma unroll
-            for (int q = 0; q < kHeld; ++q) {
-              prefetch_l2(reinterpret_cast<const InPack*>(v_at.at(loaded(next + j))) + pack[q]);
-            }
-          }
+          prefetch_chunk<kChunk, InPack>([&](int j) { return loaded(next + j); }, v_at, pack);
         }
       }
     };

@@ -16,9 +16,9 @@
 //
 // On sm_90 and sm_100 (kStagingFits) a thread stages its chunks (rows of 1 or 2 packs a lane of 4,
 // 8 or 16 bytes: kStaged) in shared memory through cp.async, two in flight (MERGE_ASYNC), as
-// merge_backward.cu's: held in registers, a thread's
-// chunk loads waited one after another, few blocks a multiprocessor (rows of 64 states: 0.78
-// waves, 22 % of warps active, session 18). Held chunks ask L2 for the next (MERGE_PREFETCH).
+// merge_backward.cu's: held in registers, a thread's chunk loads waited one after another, few
+// blocks a multiprocessor (rows of 64 states: 0.78 waves, 22 % of warps active, session 18).
+// Held chunks ask L2 for the next (MERGE_PREFETCH).
 #include "backward.cuh"
 #include "grid.cuh"
 
@@ -183,13 +183,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, 
             for (int q = 0; q < kHeld; ++q) x[j][q] = load_pack(reinterpret_cast<const InPack*>(v_at.at(loaded(i0 + j))) + pack[q]);
           }
           if (MERGE_PREFETCH && i0 + chunk_step < loop_count) {  // uniform across the warp
-#pragma unroll
-            for (int j = 0; j < kChunk; ++j) {
-#pragma unroll
-              for (int q = 0; q < kHeld; ++q) {
-                prefetch_l2(reinterpret_cast<const InPack*>(v_at.at(loaded(i0 + chunk_step + j))) + pack[q]);
-              }
-            }
+            prefetch_chunk<kChunk, InPack>([&](int j) { return loaded(i0 + chunk_step + j); }, v_at, pack);
           }
         }
         // Every state of the chunk, past the row too (weight 0, nothing stored): each one's value
