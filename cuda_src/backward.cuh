@@ -119,12 +119,12 @@ constexpr bool kStagingFits = true;
 // memory through cp.async (ASYNC: MERGE_ASYNC, the tuning's backward_async), rather than hold a
 // chunk in registers across its loads' wait: the long rows were latency-bound at the occupancy
 // their registers allow (sessions 12 and 14). Packs of 4, 8 or 16 bytes (what cp.async moves);
-// the two chunks' values and LSEs within 36 KiB, which leaves the kernel's other shared arrays
-// (at most 8 KiB) room under the 48 KiB of static shared memory.
-template <bool ASYNC, typename TIn, int VEC, int PACKS, int CHUNK>
+// the STAGES chunks' values and LSEs within BUDGET bytes of the 48 KiB of static shared memory
+// (the recomputing kernel's other shared arrays take up to 8 KiB of it).
+template <bool ASYNC, typename TIn, int VEC, int PACKS, int CHUNK, int STAGES = 2, int BUDGET = 36864>
 constexpr bool kStaged = ASYNC && kStagingFits && PACKS > 0 &&
                          (sizeof(TIn) * VEC == 4 || sizeof(TIn) * VEC == 8 || sizeof(TIn) * VEC == 16) &&
-                         2 * CHUNK * kBackwardThreads * (PACKS * sizeof(TIn) * VEC + sizeof(float)) <= 36864;
+                         STAGES * CHUNK * kBackwardThreads * (PACKS * sizeof(TIn) * VEC + sizeof(float)) <= BUDGET;
 
 template <int BYTES>
 __device__ __forceinline__ void copy_async(void* shared, const void* global) {
@@ -144,14 +144,14 @@ __device__ __forceinline__ void wait_async() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// A thread's two chunks in flight, staged through cp.async: CHUNK states' LSEs and the thread's
-// HELD packs of each one's values, in shared memory the kernel declares
-// (values [2][CHUNK][HELD][kBackwardThreads], lses [2][CHUNK][kBackwardThreads]), each read only
-// by the thread that staged it (so no barrier).
-template <typename InPack, int CHUNK, int HELD>
+// A thread's STAGES chunks in flight, staged through cp.async: CHUNK states' LSEs and the
+// thread's HELD packs of each one's values, in shared memory the kernel declares
+// (values [STAGES][CHUNK][HELD][kBackwardThreads], lses [STAGES][CHUNK][kBackwardThreads]), each
+// read only by the thread that staged it (so no barrier).
+template <typename InPack, int CHUNK, int HELD, int STAGES = 2>
 struct StagedChunks {
-  static constexpr int kValueBytes = 2 * CHUNK * HELD * kBackwardThreads * static_cast<int>(sizeof(InPack));
-  static constexpr int kLses = 2 * CHUNK * kBackwardThreads;
+  static constexpr int kValueBytes = STAGES * CHUNK * HELD * kBackwardThreads * static_cast<int>(sizeof(InPack));
+  static constexpr int kLses = STAGES * CHUNK * kBackwardThreads;
   InPack* values;
   float* lses;
   int thread;

@@ -15,8 +15,8 @@
 // packs of dV in registers; 0: any head_size (rows loop over their packs).
 //
 // On sm_90 and sm_100 (kStagingFits) a thread stages its chunks (rows of 1 or 2 packs a lane of 4,
-// 8 or 16 bytes: kStaged) in shared memory through cp.async, two in flight (MERGE_ASYNC), as
-// merge_backward.cu's: held in registers, a thread's chunk loads waited one after another, few
+// 8 or 16 bytes: kStaged) in shared memory through cp.async, several chunks in flight (MERGE_ASYNC),
+// as merge_backward.cu's: held in registers, a thread's chunk loads waited one after another, few
 // blocks a multiprocessor (rows of 64 states: 0.78 waves, 22 % of warps active, session 18).
 // Held chunks ask L2 for the next (MERGE_PREFETCH).
 #include "backward.cuh"
@@ -25,22 +25,45 @@
 #ifndef MERGE_CHUNK
 #define MERGE_CHUNK 4
 #endif
+// Staged chunks (the tuning's backward_given_*): dense rows MERGE_GIVEN_STAGES chunks of
+// MERGE_GIVEN_CHUNK states in flight a thread, ragged rows MERGE_GIVEN_RAGGED_STAGES of
+// MERGE_GIVEN_RAGGED_CHUNK. Held chunks are of MERGE_CHUNK states.
+#ifndef MERGE_GIVEN_CHUNK
+#define MERGE_GIVEN_CHUNK 2
+#endif
+#ifndef MERGE_GIVEN_STAGES
+#define MERGE_GIVEN_STAGES 4
+#endif
+#ifndef MERGE_GIVEN_RAGGED_CHUNK
+#define MERGE_GIVEN_RAGGED_CHUNK 4
+#endif
+#ifndef MERGE_GIVEN_RAGGED_STAGES
+#define MERGE_GIVEN_RAGGED_STAGES 2
+#endif
 
 namespace cupy_merge {
 
+// Four chunks of two states in flight took dense rows of 64 states from 81.8 to 85.6 % of the
+// copy where two of four had the same bytes in flight (session 20); ragged rows lost 1-4 points.
+// The kernel has no other shared arrays: its chunks may take all 48 KiB of static shared memory.
+template <bool RAGGED>
+constexpr int kGivenStagedChunk = RAGGED ? MERGE_GIVEN_RAGGED_CHUNK : MERGE_GIVEN_CHUNK;
+template <bool RAGGED>
+constexpr int kGivenStages = RAGGED ? MERGE_GIVEN_RAGGED_STAGES : MERGE_GIVEN_STAGES;
+template <typename TIn, int VEC, int PACKS, bool RAGGED>
+constexpr bool kFromOutputStaged =
+    kStaged<MERGE_ASYNC, TIn, VEC, PACKS, kGivenStagedChunk<RAGGED>, kGivenStages<RAGGED>, 49152>;
 // Blocks a multiprocessor keeps, with 32-bit offsets: without a bound ptxas took 108 registers
 // (dense rows of two packs a lane), 114 (ragged) and 64-79 (one pack), chunks held; held ragged
 // rows spill at 5 and 8. Staged, ragged rows of two packs a lane fit 5 (96 registers, no spill;
 // ragged rows of one 16-byte pack spill 4 bytes at 6, session 19).
-template <typename TIn, int VEC, int PACKS>
-constexpr bool kFromOutputStaged = kStaged<MERGE_ASYNC, TIn, VEC, PACKS, MERGE_CHUNK>;
 template <typename Index, int PACKS, bool RAGGED, bool STAGED>
 constexpr int kFromOutputMinBlocks = sizeof(Index) != 4 ? 1
                                      : RAGGED           ? (PACKS == 2 ? (STAGED ? 5 : 4) : 6)
                                                         : (PACKS == 2 ? 5 : 8);
 
 template <typename TIn, typename TOut, int VEC, int PACKS, bool RAGGED, bool SINKS, typename Index>
-__global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, PACKS, RAGGED, kFromOutputStaged<TIn, VEC, PACKS>>) merge_states_backward_from_output(
+__global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, PACKS, RAGGED, kFromOutputStaged<TIn, VEC, PACKS, RAGGED>>) merge_states_backward_from_output(
     TIn* __restrict__ gv0, TIn* __restrict__ gv1, float* __restrict__ gs0, float* __restrict__ gs1,
     float* grad_sinks,
     const TIn* __restrict__ v0, const TIn* __restrict__ v1, const float* __restrict__ s0, const float* __restrict__ s1,
@@ -61,11 +84,13 @@ __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, 
     long long out_stride_token, long long out_stride_head, long long out_lse_stride_head, long long out_lse_stride_token,
     long long sinks_stride, long long lanes, long long lse_base_2, long long head_multiplier, long long head_shift) {
   constexpr int kHeld = PACKS > 0 ? PACKS : 1;  // the packs a lane holds (PACKS 0: its first, unused)
-  constexpr int kChunk = MERGE_CHUNK;             // states loaded together
+  constexpr bool kAsync = kFromOutputStaged<TIn, VEC, PACKS, RAGGED>;
+  constexpr int kChunk = kAsync ? kGivenStagedChunk<RAGGED> : MERGE_CHUNK;  // states loaded together
+  constexpr int kStages = kGivenStages<RAGGED>;                             // staged: chunks in flight
+  static_assert(kStages >= 2, "two chunks in flight at least");
   using InPack = Pack<TIn, VEC>;
   using OutPack = Pack<TOut, VEC>;
-  constexpr bool kAsync = kFromOutputStaged<TIn, VEC, PACKS>;
-  using Stages = StagedChunks<InPack, kChunk, kHeld>;
+  using Stages = StagedChunks<InPack, kChunk, kHeld, kStages>;
   __shared__ __align__(16) unsigned char staged_values[kAsync ? Stages::kValueBytes : 16];
   __shared__ float staged_lses[kAsync ? Stages::kLses : 1];
   launch_dependents();
@@ -119,6 +144,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, 
     if constexpr (kAsync) {  // issued before the row's own loads below, which need nothing of them
       stage_chunk(first_chunk, 0);
       stage_chunk(first_chunk + chunk_step, 1);
+#pragma unroll
+      for (int stage = 2; stage < kStages; ++stage) stage_chunk(first_chunk + stage * chunk_step, stage);
     }
 
     // The row's S, dS, its lanes' packs of dV and <dV, V>: loads in flight with the first chunk's
@@ -166,13 +193,13 @@ __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, 
     if constexpr (PACKS > 0) {
       int stage = 0;
 #pragma unroll 1
-      for (Index i0 = first_chunk; i0 < loop_count; i0 += chunk_step, stage ^= 1) {
+      for (Index i0 = first_chunk; i0 < loop_count; i0 += chunk_step, stage = kStages == 2 ? stage ^ 1 : (stage + 1 < kStages ? stage + 1 : 0)) {
         // Held: the chunk's loads together, then L2 asked for the next chunk's values. Staged:
         // each state's packs read from shared memory just before their use (fewer registers).
         float lse[kChunk];
         InPack x[kChunk][kHeld];
         if constexpr (kAsync) {
-          wait_async<1>();  // this chunk's group (the next chunk's may still be out)
+          wait_async<kStages - 1>();  // this chunk's group (the next chunks' may still be out)
 #pragma unroll
           for (int j = 0; j < kChunk; ++j) lse[j] = staged.lse(stage, j);
         } else {
@@ -204,7 +231,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, 
             if (valid && i < count && has_pack[q]) store_pack(to, g);
           }
         }
-        stage_chunk(i0 + 2 * chunk_step, stage);  // staged: after this chunk's reads
+        stage_chunk(i0 + kStages * chunk_step, stage);  // staged: after this chunk's reads
         row_sums(d, row_lanes);
 #pragma unroll
         for (int j = 0; j < kChunk; ++j) {

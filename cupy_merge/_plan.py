@@ -581,6 +581,8 @@ def backward_from_output_rows(packs: int, rows: int, row_states: int, ragged: bo
     two = packs > 32 or (packs > 1 and rows >= tuning.backward_from_output_two_pack_rows)
     held = 0 if packs > 64 else 2 if two else 1
     lanes = _lanes(packs, held) if held else 32
+    # Held chunks' states: staged dense chunks are smaller (backward_given_chunk), so the splits
+    # stay within the chunks either way.
     chunks = -(-row_states // (tuning.merge_chunk if held else 1))
     busy = tuning.backward_from_output_ragged_busy_threads if ragged else tuning.backward_busy_threads
     return BackwardRows(held, 0, lanes, 1, _halvings(rows * lanes, min(chunks, MAX_GRID_Y), busy))

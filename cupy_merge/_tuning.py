@@ -105,6 +105,15 @@ class Tuning:
     #: ... and two packs a lane from this many rows (one below; where a row has more than one):
     #: one measured 5-17 points lower at 32-2048 rows, within 2 from 16384 (session 15).
     backward_from_output_two_pack_rows: int = 0
+    #: ... and, staged, backward_given_stages chunks of backward_given_chunk states in flight a
+    #: thread (dense rows; ragged rows the _ragged_ pair; MERGE_GIVEN_*, within 48 KiB of shared
+    #: memory). Session 20, the same bytes in flight: dense rows four chunks of two against two of
+    #: four 81.8 -> 85.6 % of the copy at 2048 rows of 64 states, 97-100 -> 99-103 % at 8-256
+    #: rows of 256-4096; ragged rows 0.1-4 points lower (2048 rows of ~100, 256 of ~500).
+    backward_given_chunk: int = 2
+    backward_given_stages: int = 4
+    backward_given_ragged_chunk: int = 4
+    backward_given_ragged_stages: int = 2
     #: Programmatic dependent launch on sm_90 and newer: a merge's blocks start while the kernel
     #: before it drains, and wait for its results before their first load. Off by default: in a
     #: CUDA-graph chain (producer, merge, consumer) it saved nothing measurable (within +-1 us at
@@ -128,6 +137,10 @@ class Tuning:
             f"-DMERGE_FOLD={self.backward_fold}",
             f"-DMERGE_PREFETCH={int(self.backward_prefetch)}",
             f"-DMERGE_ASYNC={int(self.backward_async)}",
+            f"-DMERGE_GIVEN_CHUNK={self.backward_given_chunk}",
+            f"-DMERGE_GIVEN_STAGES={self.backward_given_stages}",
+            f"-DMERGE_GIVEN_RAGGED_CHUNK={self.backward_given_ragged_chunk}",
+            f"-DMERGE_GIVEN_RAGGED_STAGES={self.backward_given_ragged_stages}",
         )
 
     def replace(self, **changes: object) -> Tuning:

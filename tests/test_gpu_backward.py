@@ -501,3 +501,24 @@ def test_every_way_through_a_row_given_the_merges_results_follows_the_reference(
     precision = "float32" if dtype == "float32" else "bfloat16"
     _expect_the_references_gradients(rng, tuning, num_states, 5, 3, head_size, dtype, ragged, np.int32,
                                      rows_around=(2, 3), precision=precision)  # fmt: skip
+
+
+@pytest.mark.parametrize("merge_results", ["given results"], indirect=True)
+@pytest.mark.parametrize("stages, chunk", [(2, 4), (3, 3), (5, 2), (2, 1)])  # the default is 4 x 2 (dense), 2 x 4 (ragged)
+@pytest.mark.parametrize("busy_threads", [1, 2**30])  # one block a row, or a block a chunk of its states
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("num_states, head_size, dtype", [(37, 128, "bfloat16"), (300, 64, "float32"), (13, 6, "float16")])
+def test_any_number_of_staged_chunks_given_the_merges_results_follows_the_reference(rng, stages, chunk, busy_threads,
+                                                                                    ragged, num_states, head_size,
+                                                                                    dtype):  # fmt: skip
+    """The kernel given ``out`` and ``out_lse`` with ``stages`` chunks of ``chunk`` states in flight
+    (dense and ragged rows alike), a row's states in one block or split over many."""
+    from cupy_merge import _tuning
+
+    tuning = _tuning.DEFAULT.replace(backward_from_output_states=2, backward_busy_threads=busy_threads,
+                                     backward_from_output_ragged_busy_threads=busy_threads,
+                                     backward_given_stages=stages, backward_given_chunk=chunk,
+                                     backward_given_ragged_stages=stages, backward_given_ragged_chunk=chunk)  # fmt: skip
+    precision = "float32" if dtype == "float32" else "bfloat16"
+    _expect_the_references_gradients(rng, tuning, num_states, 5, 3, head_size, dtype, ragged, np.int32,
+                                     rows_around=(2, 3), precision=precision)  # fmt: skip

@@ -88,6 +88,13 @@ BACKWARD_VARIANTS = {
                         "backward_from_output_ragged_busy_threads": _tuning.DEFAULT.backward_from_output_ragged_busy_threads // 2},
     "given-busy2x": {"backward_busy_threads": 2 * _tuning.DEFAULT.backward_busy_threads,
                      "backward_from_output_ragged_busy_threads": 2 * _tuning.DEFAULT.backward_from_output_ragged_busy_threads},
+    # The kernel given the results with other chunks in flight (stages x chunk states): dense rows
+    # (default 4 x 2) and ragged ones (default 2 x 4).
+    "given-s2c4": {"backward_given_stages": 2, "backward_given_chunk": 4},  # session 19's
+    "given-s3c3": {"backward_given_stages": 3, "backward_given_chunk": 3},
+    "given-s5c2": {"backward_given_stages": 5, "backward_given_chunk": 2},
+    "given-ragged-s3c2": {"backward_given_ragged_stages": 3, "backward_given_ragged_chunk": 2},
+    "given-ragged-s4c2": {"backward_given_ragged_stages": 4, "backward_given_ragged_chunk": 2},
     "busy2x": {"backward_busy_threads": 2 * _tuning.DEFAULT.backward_busy_threads},
     "busy4x": {"backward_busy_threads": 4 * _tuning.DEFAULT.backward_busy_threads},
     # Many rows split over groups too (more, smaller blocks of work: fewer idle slots in the last wave).
