@@ -529,7 +529,8 @@ def backward_rows(packs: int, rows: int, row_states: int, ragged: bool, tuning: 
 
     Rows that are not short split their states over as many groups, and then blocks, as keep the
     threads at most ``tuning.backward_busy_threads``, each group at least
-    ``tuning.backward_split_chunks`` chunks of a split's share; they take two packs a lane where
+    ``tuning.backward_split_chunks`` chunks of a split's share; long dense rows over groups of
+    ``tuning.backward_group_chunks`` chunks or more, however many rows; they take two packs a lane where
     that many threads are still reached, or where rows alone are ``tuning.backward_two_pack_rows``
     or more."""
     if packs == 0:
@@ -544,7 +545,10 @@ def backward_rows(packs: int, rows: int, row_states: int, ragged: bool, tuning: 
     lanes = _lanes(packs, held) if held else 32
     chunks = -(-row_states // _span(held, ragged, tuning))
     busy = tuning.backward_busy_threads
-    groups = _halvings(rows * lanes, min(chunks, tuning.backward_groups, BACKWARD_MAX_GROUPS), busy)
+    most_groups = min(chunks, tuning.backward_groups, BACKWARD_MAX_GROUPS)
+    groups = _halvings(rows * lanes, most_groups, busy)
+    if held and not ragged and tuning.backward_group_chunks:  # long rows: groups of that many chunks, however many rows
+        groups = max(groups, _power_of_two_up_to(min(most_groups, chunks // tuning.backward_group_chunks)))
     most = min(chunks // (groups * tuning.backward_split_chunks), MAX_GRID_Y)
     splits = _halvings(rows * lanes * groups, most, busy) if most >= 2 else 1
     return BackwardRows(held, 0, lanes, groups, splits)
@@ -558,6 +562,11 @@ def _lanes(packs: int, held: int) -> int:
 def _span(held: int, ragged: bool, tuning: Tuning) -> int:
     """States a group takes at a time: the kernel's kChunk (one state where lanes loop over packs)."""
     return 1 if held == 0 else 2 if ragged and held == 2 else tuning.merge_chunk
+
+
+def _power_of_two_up_to(most: int) -> int:
+    """The largest power of two up to ``most`` (at least 1)."""
+    return 1 << (max(most, 1).bit_length() - 1)
 
 
 def _halvings(threads: int, most: int, busy: int) -> int:

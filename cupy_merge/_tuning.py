@@ -65,6 +65,15 @@ class Tuning:
     #: and more lost 2-24 points with groups (a barrier a row), so they keep one.
     backward_groups: int = 4
     backward_busy_threads: int = 65536
+    #: Gradients: dense rows of at least twice this many chunks split over groups however many
+    #: rows there are, each group taking this many chunks or more (0: groups only where rows are
+    #: too few). Session 21 (sweeps, staged chunks): 16384 rows of 48 states 64.5 -> 76.5 % of the
+    #: copy at four groups of three chunks; groups of two chunks within run-to-run spread (32768
+    #: rows of 16 states 79.1 -> 78.9 and 80.6, 16384 of 16 at 8 heads 77.4 -> 77.2), of one chunk
+    #: 1-10 points slower (rows of 8 states). Ragged rows keep one group: 131072 rows of ~8 states
+    #: lost 8.5 points at two (a warp's rows of uneven length wait at each row's barrier). Rows of
+    #: 24-44 states (two groups of three chunks or more) are not measured.
+    backward_group_chunks: int = 3
     #: Gradients: rows still too few then split their states over blocks (a share each, then a
     #: finishing launch for the LSE gradients), each group taking at least this many chunks of a
     #: share (every block reads all of its rows' LSEs for their merged LSE). Session 13: 1024

@@ -409,6 +409,17 @@ def test_every_split_of_a_rows_states_over_groups_follows_the_reference(rng, sta
     _expect_the_references_gradients(rng, tuning, num_states, 6, 3, 128, "bfloat16", ragged, np.int64)
 
 
+@pytest.mark.parametrize("num_states", [24, 49])  # two groups, four (the last chunk partial)
+def test_long_dense_rows_split_over_groups_however_many_rows_follow_the_reference(rng, num_states):
+    """Rows long enough for groups of backward_group_chunks chunks take them even where the rows
+    alone would fill the GPU (here: where a single thread would, busy_threads 1)."""
+    from cupy_merge import _plan, _tuning
+
+    tuning = _tuning.DEFAULT.replace(backward_busy_threads=1, backward_split_chunks=2**62)
+    assert _plan.backward_rows(16, 18, num_states, False, tuning).groups > 1  # the long rows' rule alone
+    _expect_the_references_gradients(rng, tuning, num_states, 6, 3, 128, "bfloat16", False, np.int32)
+
+
 @pytest.mark.parametrize("staged", [True, False])  # chunks staged in shared memory (cp.async), or held in registers
 @pytest.mark.parametrize("two_pack_rows", [0, 2**62])  # two packs a lane where a row has more than one, or one
 @pytest.mark.parametrize("ragged", [False, True])

@@ -125,7 +125,12 @@ def test_rows_of_many_states_take_two_packs_a_lane_when_there_are_threads_enough
     (16, 2048, 16, False, 2, 4),  # 2048 rows x 8 lanes x 4 groups: busy_threads
     (16, 2048, 5, False, 1, 2),  # two chunks of 4 states
     (16, 4096, 16, False, 2, 2),
-    (16, 1 << 20, 1000, False, 2, 1),  # rows enough alone: a barrier a row costs more than it gives
+    (16, 1 << 20, 1000, False, 2, 4),  # rows enough alone, but long: groups of three chunks or more
+    (16, 16384, 48, False, 2, 4),
+    (16, 16384, 24, False, 2, 2),
+    (16, 32768, 16, False, 2, 1),  # four chunks: groups of two measured no faster
+    (16, 131072, 8, False, 2, 1),
+    (16, 1 << 20, 1000, True, 2, 1),  # ragged rows keep one group where rows are enough
     (16, 2048, 8, True, 2, 4),  # ragged rows of two packs take chunks of 2
     (16, 2048, 3, True, 1, 1),
     (100, 64, 9, False, 0, 4),  # rows that loop over their packs split state by state
@@ -136,6 +141,12 @@ def test_few_rows_of_many_chunks_split_their_states_over_groups(packs, rows, sta
     assert (got.held, got.groups) == (held, groups)
     assert got.lanes * groups <= _plan.BACKWARD_THREADS
     assert _plan.backward_rows(packs, rows, states, ragged, _tuning.DEFAULT.replace(backward_groups=1)).groups == 1
+
+
+@pytest.mark.parametrize("rows, states, groups", [(2048, 16, 4), (1 << 20, 1000, 1), (16384, 48, 1), (131072, 8, 1)])
+def test_without_group_chunks_only_rows_too_few_for_the_gpu_split_over_groups(rows, states, groups):
+    tuning = _tuning.DEFAULT.replace(backward_group_chunks=0)
+    assert _plan.backward_rows(16, rows, states, False, tuning).groups == groups
 
 
 def test_groups_share_the_blocks_threads():

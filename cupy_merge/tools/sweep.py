@@ -100,6 +100,8 @@ BACKWARD_VARIANTS = {
     # Many rows split over groups too (more, smaller blocks of work: fewer idle slots in the last wave).
     "busy8x": {"backward_busy_threads": 8 * _tuning.DEFAULT.backward_busy_threads},
     "busy16x": {"backward_busy_threads": 16 * _tuning.DEFAULT.backward_busy_threads},
+    # Long rows over groups only where rows are few (before session 21).
+    "no-long-groups": {**_RECOMPUTE, "backward_group_chunks": 0},
     "one-block": {**_RECOMPUTE, "backward_groups": 1, "backward_split_chunks": 2**62},
     "no-splits": {**_RECOMPUTE, "backward_split_chunks": 2**62},
     "split1": {**_RECOMPUTE, "backward_split_chunks": 1},
