@@ -572,10 +572,7 @@ def _power_of_two_up_to(most: int) -> int:
 def _halvings(threads: int, most: int, busy: int) -> int:
     """The largest power of two up to ``most`` that keeps ``threads`` times it within ``busy``
     threads (at least 1): how many ways work of ``threads`` threads is split."""
-    ways = 1
-    while ways * 2 <= most and threads * ways * 2 <= busy:
-        ways *= 2
-    return ways
+    return _power_of_two_up_to(min(most, busy // threads) if threads else most)
 
 
 def backward_from_output_rows(packs: int, rows: int, row_states: int, ragged: bool, tuning: Tuning) -> BackwardRows:
