@@ -38,7 +38,7 @@
 // 2 or at most 4 states, kept whole in registers.
 //
 // On sm_90 and sm_100 (kStagingFits) a thread stages its chunks (rows that are not short) in shared
-// memory through cp.async, two in flight, instead of holding one in registers (kBackwardStaged).
+// memory through cp.async, two or more in flight, instead of holding one in registers (kBackwardStaged).
 //
 // Session 11 (docs/PERF.md): the kernel was issue- and latency-bound, not memory-bound. Its
 // loads are unconditional (addresses clamped into the arrays, results of states past a row's
@@ -51,6 +51,19 @@
 #endif
 #ifndef MERGE_FOLD
 #define MERGE_FOLD 8
+#endif
+// Staged dense rows (the tuning's backward_stages, backward_chunk): MERGE_BACKWARD_STAGES chunks
+// of MERGE_BACKWARD_CHUNK states in flight a thread; ragged rows two of their held chunk's.
+#ifndef MERGE_BACKWARD_CHUNK
+#define MERGE_BACKWARD_CHUNK 2
+#endif
+#ifndef MERGE_BACKWARD_STAGES
+#define MERGE_BACKWARD_STAGES 3
+#endif
+// Blocks a multiprocessor keeps of staged dense rows of two packs a lane (the tuning's
+// backward_blocks; also bounded by their shared memory).
+#ifndef MERGE_BACKWARD_BLOCKS
+#define MERGE_BACKWARD_BLOCKS 5
 #endif
 
 namespace cupy_merge {
@@ -75,18 +88,28 @@ constexpr bool kShareFold = PACKS != 2;
 // take 2: their rows are short and of uneven length, and 4 took 128 registers (session 12: 75-81 %
 // of the copy against 74-78; staged, 4 measured no faster, session 16).
 template <int PACKS, int SHORT, bool RAGGED>
-constexpr int kBackwardChunk = SHORT > MERGE_CHUNK ? SHORT : PACKS == 2 && RAGGED ? 2 : MERGE_CHUNK;
+constexpr int kHeldChunk = SHORT > MERGE_CHUNK ? SHORT : PACKS == 2 && RAGGED ? 2 : MERGE_CHUNK;
+template <int PACKS, int SHORT, bool RAGGED>
+constexpr int kStagedChunk = RAGGED ? kHeldChunk<PACKS, SHORT, RAGGED> : MERGE_BACKWARD_CHUNK;
+template <bool RAGGED>
+constexpr int kBackwardStages = RAGGED ? 2 : MERGE_BACKWARD_STAGES;
 // Whether a row's chunks are staged in shared memory (kStaged, backward.cuh): rows that are not short.
 template <typename TIn, int VEC, int PACKS, int SHORT, bool RAGGED>
-constexpr bool kBackwardStaged = kStaged<MERGE_ASYNC && SHORT == 0, TIn, VEC, PACKS, kBackwardChunk<PACKS, SHORT, RAGGED>>;
+constexpr bool kBackwardStaged = kStaged<MERGE_ASYNC && SHORT == 0, TIn, VEC, PACKS, kStagedChunk<PACKS, SHORT, RAGGED>,
+                                         kBackwardStages<RAGGED>>;
+template <typename TIn, int VEC, int PACKS, int SHORT, bool RAGGED>
+constexpr int kBackwardChunk = kBackwardStaged<TIn, VEC, PACKS, SHORT, RAGGED> ? kStagedChunk<PACKS, SHORT, RAGGED>
+                                                                                : kHeldChunk<PACKS, SHORT, RAGGED>;
 // Staged, rows of two 16-byte packs a lane fit 5 blocks' registers without a spill (92 dense, 80
-// ragged; 128 and 96 with 20 bytes spilled holding the chunk, session 16).
+// ragged; 128 and 96 with 20 bytes spilled holding the chunk, session 16); dense ones 6 (80
+// registers; 7 spilled 12 bytes, session 22).
 template <typename Index, int PACKS, int SHORT, bool RAGGED, typename TIn, int VEC>
 constexpr int kBackwardMinBlocks = sizeof(Index) != 4                                  ? 1
                                    : SHORT == 2 && sizeof(TIn) * VEC <= 16               ? 12
                                    : SHORT == 4 && sizeof(TIn) * VEC <= 16               ? 8
                                    : PACKS == 2 && (!RAGGED || sizeof(TIn) * VEC > 16) &&
                                          !kBackwardStaged<TIn, VEC, PACKS, SHORT, RAGGED> ? 4
+                                   : PACKS == 2 && !RAGGED                              ? MERGE_BACKWARD_BLOCKS
                                                                                          : 5;
 
 // A group's part of a row's merged LSE: the running maximum, the sum of exp(s - top), any NaN.
@@ -121,7 +144,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     long long finish) {
   static_assert(SHORT == 0 || (PACKS > 0 && !RAGGED), "short rows are dense, their packs held in registers");
   constexpr int kHeld = PACKS > 0 ? PACKS : 1;  // the packs a lane holds (PACKS 0: its first, unused)
-  constexpr int kChunk = kBackwardChunk<PACKS, SHORT, RAGGED>;
+  constexpr int kChunk = kBackwardChunk<TIn, VEC, PACKS, SHORT, RAGGED>;
   using InPack = Pack<TIn, VEC>;
   using OutPack = Pack<TOut, VEC>;
   // State i's share w_i <dV, V_i> of <dV, V> and its weight, kept (until <dV, V> is known) by
@@ -136,9 +159,11 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
   // pass only the merged LSE's barrier, and use no shared memory where groups fold alone.
   __shared__ GroupFold group_folds[2][SHORT ? 1 : kBackwardThreads];
   __shared__ float group_dots[2][SHORT ? 1 : kBackwardThreads];
-  // Rows that are not short: their chunks staged in shared memory, two in flight a thread.
+  // Rows that are not short: their chunks staged in shared memory, kStages in flight a thread.
   constexpr bool kAsync = kBackwardStaged<TIn, VEC, PACKS, SHORT, RAGGED>;
-  using Stages = StagedChunks<InPack, kChunk, kHeld>;
+  constexpr int kStages = kBackwardStages<RAGGED>;
+  static_assert(kStages >= 2, "two chunks in flight at least");
+  using Stages = StagedChunks<InPack, kChunk, kHeld, kStages>;
   __shared__ __align__(16) unsigned char staged_values[kAsync ? Stages::kValueBytes : 16];
   __shared__ float staged_lses[kAsync ? Stages::kLses : 1];
   launch_dependents();
@@ -295,8 +320,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     };
     if constexpr (kAsync) {
       if (!finish) {
-        stage_chunk(first_chunk, 0);
-        stage_chunk(first_chunk + chunk_step, 1);
+#pragma unroll
+        for (int stage = 0; stage < kStages; ++stage) stage_chunk(first_chunk + stage * chunk_step, stage);
       }
     } else if (PACKS && !finish && first_chunk < loop_count) {
       load_chunk(first_chunk);
@@ -429,9 +454,10 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
       Index k0 = 0;
       int stage = 0;
 #pragma unroll 1
-      for (Index i0 = first_chunk; i0 < loop_count; i0 += chunk_step, k0 += kChunk, stage ^= 1) {
+      for (Index i0 = first_chunk; i0 < loop_count;
+           i0 += chunk_step, k0 += kChunk, stage = kStages == 2 ? stage ^ 1 : (stage + 1 < kStages ? stage + 1 : 0)) {
         if constexpr (kAsync) {
-          wait_async<1>();  // this chunk's group (the next chunk's may still be out)
+          wait_async<kStages - 1>();  // this chunk's group (the next chunks' may still be out)
         } else if (i0 > first_chunk) {
           load_chunk(i0);
         }
@@ -452,7 +478,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
         row_sums(d, row_lanes);
 #pragma unroll
         for (int j = 0; j < kChunk; ++j) finish_state(i0 + j, k0 + j, w[j], d[j]);
-        if constexpr (kAsync) stage_chunk(i0 + 2 * chunk_step, stage);  // after this chunk's reads
+        if constexpr (kAsync) stage_chunk(i0 + kStages * chunk_step, stage);  // after this chunk's reads
       }
     } else {
       Index nth = 0;  // i is the group's nth state

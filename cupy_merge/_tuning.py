@@ -97,6 +97,19 @@ class Tuning:
     #: The kernel given the results (session 19): rows of 64 states 76 -> 81 %, ragged rows of
     #: ~100 71 -> 78 %, 256 rows of 8 91 -> 99 %.
     backward_async: bool = True
+    #: ... with, for dense rows, backward_stages chunks of backward_chunk states in flight a thread
+    #: (MERGE_BACKWARD_*, within 36 KiB of shared memory: the kernel's other arrays take up to 8;
+    #: ragged rows two of their held chunk's). The planner counts a row's chunks in merge_chunk
+    #: states either way. Session 22, % of the copy: three chunks of two against two of four
+    #: (fewer bytes in flight, 9 KB less shared memory a block) 79.6 -> 84.0 at 1024 tokens of
+    #: 16 states, 84.6 -> 86.9 at 4096 of 8, +1.2-3.3 at 24-32 states and 256 tokens of 8,
+    #: within 1 at 48 states and 2048 tokens of 16 x 8 heads; four of two within 1 of two of four.
+    backward_chunk: int = 2
+    backward_stages: int = 3
+    #: ... and blocks a multiprocessor keeps of those of two packs a lane (MERGE_BACKWARD_BLOCKS:
+    #: their registers' bound, 96 -> 80 at 6; shared memory may allow fewer). Six measured 0-4
+    #: points slower than five at three chunks of two (session 22).
+    backward_blocks: int = 5
     #: Gradients given the merge's results (``out``, ``out_lse``): fewer rows than this of at least
     #: backward_from_output_states states (ragged: on average) take the kernel that reads them
     #: (each state's gradients its own: no fold, no sum over the states first, any share of a
@@ -146,6 +159,9 @@ class Tuning:
             f"-DMERGE_FOLD={self.backward_fold}",
             f"-DMERGE_PREFETCH={int(self.backward_prefetch)}",
             f"-DMERGE_ASYNC={int(self.backward_async)}",
+            f"-DMERGE_BACKWARD_CHUNK={self.backward_chunk}",
+            f"-DMERGE_BACKWARD_STAGES={self.backward_stages}",
+            f"-DMERGE_BACKWARD_BLOCKS={self.backward_blocks}",
             f"-DMERGE_GIVEN_CHUNK={self.backward_given_chunk}",
             f"-DMERGE_GIVEN_STAGES={self.backward_given_stages}",
             f"-DMERGE_GIVEN_RAGGED_CHUNK={self.backward_given_ragged_chunk}",

@@ -420,6 +420,23 @@ def test_long_dense_rows_split_over_groups_however_many_rows_follow_the_referenc
     _expect_the_references_gradients(rng, tuning, num_states, 6, 3, 128, "bfloat16", False, np.int32)
 
 
+@pytest.mark.parametrize("stages, chunk, blocks", [(2, 4, 5), (4, 2, 5), (3, 3, 5), (3, 2, 6), (2, 1, 6)])  # default 3 x 2, 5
+@pytest.mark.parametrize("groups, split_chunks", [(1, 2**62), (4, 2**62), (1, 1)])  # one group, four, splits
+@pytest.mark.parametrize("num_states, head_size, dtype", [(37, 128, "bfloat16"), (13, 6, "float16"), (9, 64, "float32")])
+def test_any_number_of_staged_chunks_recomputing_follows_the_reference(rng, stages, chunk, blocks, groups, split_chunks,
+                                                                       num_states, head_size, dtype):  # fmt: skip
+    """The recomputing kernel's dense rows with ``stages`` chunks of ``chunk`` states in flight
+    (its registers bound for ``blocks`` blocks a multiprocessor), two packs a lane, a row's states
+    over one group or four, or split over blocks (a share of one chunk each)."""
+    from cupy_merge import _tuning
+
+    tuning = _tuning.DEFAULT.replace(backward_stages=stages, backward_chunk=chunk, backward_blocks=blocks,
+                                     backward_groups=groups, backward_two_pack_rows=0,
+                                     backward_busy_threads=2**30, backward_split_chunks=split_chunks,
+                                     backward_from_output_states=2**62)  # fmt: skip
+    _expect_the_references_gradients(rng, tuning, num_states, 5, 3, head_size, dtype, False, np.int32)
+
+
 @pytest.mark.parametrize("staged", [True, False])  # chunks staged in shared memory (cp.async), or held in registers
 @pytest.mark.parametrize("two_pack_rows", [0, 2**62])  # two packs a lane where a row has more than one, or one
 @pytest.mark.parametrize("ragged", [False, True])

@@ -95,6 +95,12 @@ BACKWARD_VARIANTS = {
     "given-s5c2": {"backward_given_stages": 5, "backward_given_chunk": 2},
     "given-ragged-s3c2": {"backward_given_ragged_stages": 3, "backward_given_ragged_chunk": 2},
     "given-ragged-s4c2": {"backward_given_ragged_stages": 4, "backward_given_ragged_chunk": 2},
+    # The recomputing kernel's dense rows with other chunks in flight (stages x chunk states;
+    # default 3 x 2 since session 22, 2 x 4 before), or at 6 blocks a multiprocessor (80 registers).
+    "s2c4": {**_RECOMPUTE, "backward_stages": 2, "backward_chunk": 4},
+    "s4c2": {**_RECOMPUTE, "backward_stages": 4, "backward_chunk": 2},
+    "b6": {**_RECOMPUTE, "backward_blocks": 6},
+    "s2c2-b6": {**_RECOMPUTE, "backward_stages": 2, "backward_chunk": 2, "backward_blocks": 6},
     "busy2x": {"backward_busy_threads": 2 * _tuning.DEFAULT.backward_busy_threads},
     "busy4x": {"backward_busy_threads": 4 * _tuning.DEFAULT.backward_busy_threads},
     # Many rows split over groups too (more, smaller blocks of work: fewer idle slots in the last wave).
