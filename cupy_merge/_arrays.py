@@ -260,6 +260,12 @@ class JaxAdapter(ForeignAdapter):
         return result
 
 
+def _inside_torch_func(tensor: Any) -> bool:
+    """Whether ``tensor`` is a torch.func transform's wrapper (no storage of its own)."""
+    functorch = getattr(torch_module()._C, "_functorch", None)
+    return functorch is not None and bool(functorch.is_functorch_wrapped_tensor(tensor))
+
+
 class TorchAdapter(Adapter):
     kind = "torch"
 
@@ -269,7 +275,16 @@ class TorchAdapter(Adapter):
     def describe(self, obj: Any, name: str, host: bool = False) -> ArrayView:
         """``host``: CPU tensors are described too, on :data:`HOST` (the cross-rank merge on gloo)."""
         spec = self.spec(obj, name, host)
-        ptr = obj.data_ptr()
+        try:
+            ptr = obj.data_ptr()
+        except RuntimeError:
+            if _inside_torch_func(obj):
+                raise TypeError(
+                    f"{name}: a tensor inside a torch.func transform (grad, vjp, jacrev, vmap); cupy-merge's "
+                    f"merges are differentiable through torch.autograd (eagerly and under torch.compile), not "
+                    f"torch.func: take gradients with torch.autograd.grad or loss.backward()"
+                ) from None
+            raise
         if ptr == 0 and obj.numel() > 0:
             raise ValueError(f"{name}: expected a tensor with memory, got a null data pointer (freed storage?)")
         return ArrayView(ptr, spec.shape, spec.strides, spec.dtype, spec.itemsize, spec.device)

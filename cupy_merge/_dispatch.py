@@ -158,6 +158,12 @@ def register_autograd(grad_enabled: Callable[[], bool], autograd_call: Callable[
     _grad_enabled, _autograd_call = grad_enabled, autograd_call
 
 
+def grad_enabled() -> bool:
+    """Whether a call whose inputs require grad is recorded by autograd now (torch's grad mode,
+    once the torch integration is registered; False before)."""
+    return _grad_enabled()
+
+
 def register_jax(jax_call: Callable[..., Any]) -> None:
     """Hand merges of JAX arrays and tracers to ``jax_call(operation, options, operands, stream)``."""
     global _jax_call
@@ -192,7 +198,10 @@ def _call_by_kind(operation: Operation, options: Options, operands: Operands, st
     primary = operands[2]  # v_a or v
     if _arrays.is_jax(primary) and _jax_call is not None:
         return _jax_call(operation, options, operands, stream)
-    return run(operation, prepare(operation, options, operands, _tuning.current()), operands, stream)
+    prepared = prepare(operation, options, operands, _tuning.current())
+    if prepared.grad and _grad_enabled():  # e.g. an nn.Parameter: a tensor subclass, no fingerprint
+        return _autograd_call(operation, options, operands, stream)  # type: ignore[misc]
+    return run(operation, prepared, operands, stream)
 
 
 def prepare(operation: Operation, options: Options, operands: Operands, tuning: _tuning.Tuning) -> Call:
@@ -233,14 +242,11 @@ def prepare(operation: Operation, options: Options, operands: Operands, tuning: 
                        for slot, field, offset in launch.pointers if field == output.field))
         for output in planned.fresh
     )  # fmt: skip
+    # Whether a torch input requires grad: in grad mode the call goes through autograd, which
+    # refuses the forms that write into their arguments.
     grad = adapter is _arrays.TORCH and any(
         getattr(getattr(operands, field), "requires_grad", False) for field in views if field not in WRITTEN
     )
-    if grad and not operation.returns:
-        raise RuntimeError(
-            f"{operation.name}: writes into its arguments, so autograd cannot differentiate it; an input "
-            f"requires grad: use merge_state, merge_states or merge_states_varlen (functional)"
-        )
     return Call(launches, adapter, device, fresh, planned.indptr_rows, grad)
 
 

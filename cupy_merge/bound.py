@@ -42,6 +42,11 @@ def _bind_operation(operation: _dispatch.Operation, signature: inspect.Signature
     accepted = inspect.signature(operation.options).parameters
     options = operation.options(**{name: value for name, value in given.items() if name in accepted})
     prepared = _dispatch.prepare(operation, options, operands, _tuning.current())
+    if prepared.grad and _dispatch.grad_enabled():
+        raise RuntimeError(
+            f"bind({operation.name}): an input requires grad, and a bound merge records no autograd graph; "
+            f"bind under torch.no_grad() or detached tensors, or call {operation.name} itself (differentiable)"
+        )
     _dispatch.check_values(operation, prepared, operands)
     return BoundMerge(operation, prepared, operands)
 

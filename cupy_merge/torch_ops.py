@@ -388,8 +388,16 @@ def _requires_grad(*tensors: Any) -> bool:
 def _writes_refused(operation: _dispatch.Operation) -> RuntimeError:
     return RuntimeError(
         f"{operation.name}: writes into its arguments, so autograd cannot differentiate it; an input "
-        f"requires grad: use merge_state, merge_states or merge_states_varlen (functional)"
+        f"requires grad: use merge_state, merge_states or merge_states_varlen (functional), or call it "
+        f"under torch.no_grad()"
     )
+
+
+def _refuse_writes_under_grad(operation: _dispatch.Operation, *inputs: Any) -> None:
+    """A form that writes into its arguments refuses inputs that require grad in grad mode (under
+    ``torch.no_grad()`` it runs, as the eager path does)."""
+    if sys.modules["torch"].is_grad_enabled() and _requires_grad(*inputs):
+        raise _writes_refused(operation)
 
 
 def _check(operation: _dispatch.Operation, options: Any, operands: Any) -> None:
@@ -457,8 +465,7 @@ def _merge_attn_states_fake(output, prefix_output, prefix_lse, suffix_output, su
         quant_scale_ue8m0=quant_scale_ue8m0,
     )
     inputs = (prefix_output, prefix_lse, suffix_output, suffix_lse, sinks, output_scale)
-    if _requires_grad(*inputs):
-        raise _writes_refused(_MERGE_ATTN_STATES)
+    _refuse_writes_under_grad(_MERGE_ATTN_STATES, *inputs)
     _check(_MERGE_ATTN_STATES, options, TwoStateOperands(output, output_lse, prefix_output, prefix_lse, suffix_output,
                                                          suffix_lse, None, sinks, output_scale, output_block_scale))  # fmt: skip
 
@@ -480,8 +487,7 @@ def _merge_state_out_fake(out, out_lse, v_a, s_a, v_b, s_b, *, out_dtype=None, s
 
 
 def _merge_state_in_place_fake(v, s, v_other, s_other, mask=None, *, sinks=None, lse_base="e"):
-    if _requires_grad(v, s, v_other, s_other, mask, sinks):
-        raise _writes_refused(_MERGE_STATE_IN_PLACE)
+    _refuse_writes_under_grad(_MERGE_STATE_IN_PLACE, v, s, v_other, s_other, mask, sinks)
     options = _checks.two_state_options(lse_base=lse_base)
     _check(_MERGE_STATE_IN_PLACE, options, TwoStateOperands(v, s, v, s, v_other, s_other, mask, sinks))
 
@@ -614,21 +620,19 @@ def _compiled_call(operation: _dispatch.Operation, options: Any, operands: Any, 
 def _traced_two(torch: Any, operation: _dispatch.Operation, options: Any, o: TwoStateOperands) -> Any:
     ops_ = torch.ops.cupy_merge
     lse_base = _lse_base(options)
-    requires = _requires_grad(o.v_a, o.s_a, o.v_b, o.s_b, o.mask, o.sinks, o.output_scale)
+    inputs = (o.v_a, o.s_a, o.v_b, o.s_b, o.mask, o.sinks, o.output_scale)
     if operation.name == "merge_attn_states":
-        if requires:
-            raise _writes_refused(operation)
+        _refuse_writes_under_grad(operation, *inputs)
         ops_.merge_attn_states.default(o.out, o.v_a, o.s_a, o.v_b, o.s_b, o.out_lse, options.merge_tokens,
                                        o.output_scale, o.output_block_scale, options.group_size, False,
                                        scale_ue8m0=bool(options.scale_ue8m0), sinks=o.sinks, lse_base=lse_base)  # fmt: skip
         return None
     if operation.name == "merge_state_in_place":
-        if requires:
-            raise _writes_refused(operation)
+        _refuse_writes_under_grad(operation, *inputs)
         ops_.merge_state_in_place.default(o.out, o.out_lse, o.v_b, o.s_b, o.mask, sinks=o.sinks, lse_base=lse_base)
         return None
     dtype = _dtype(torch, options.out_dtype)
-    if requires and torch.is_grad_enabled():
+    if torch.is_grad_enabled() and _requires_grad(*inputs):
         _refuse_undifferentiable(operation, options, o)
         return _FUNCTIONS["merge_state"].apply(o.v_a, o.s_a, o.v_b, o.s_b, o.sinks, options.out_dtype,
                                                options.lse_base_2)  # fmt: skip

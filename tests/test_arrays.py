@@ -128,3 +128,15 @@ def test_a_fresh_output_is_specified_c_contiguous_and_fully_aligned():
     spec = _arrays.contiguous_spec((4, 3, 8), "bfloat16", 2, 0)
     assert spec == _arrays.ArraySpec((4, 3, 8), (24, 8, 1), "bfloat16", 2, 0, 16)
     assert _arrays.contiguous_spec((5, 3), "float32", 4, 1).strides == (3, 1)
+
+
+def test_a_tensor_inside_torch_func_is_refused_by_name():
+    torch = pytest.importorskip("torch")
+
+    def loss(x):
+        _arrays.TORCH.describe(x, "v", host=True)
+        return x.sum()
+
+    with pytest.raises(TypeError, match=r"^v: a tensor inside a torch.func transform .* not torch.func"):
+        torch.func.grad(loss)(torch.randn(3))
+    assert _arrays.TORCH.describe(torch.randn(3), "v", host=True).shape == (3,)  # a plain tensor is described

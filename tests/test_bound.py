@@ -52,6 +52,20 @@ def test_bind_prepares_the_call_and_never_runs_it(prepared_without_a_gpu):
     assert out.shape == v.shape and bound() == (out, out_lse)  # the same outputs every time
 
 
+def test_bind_refuses_inputs_that_require_grad_in_grad_mode(monkeypatch):
+    """A bound merge records no autograd graph: binding tensors that require grad in grad mode is
+    refused (under torch.no_grad() they bind, e.g. an inference loop's learned sinks)."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(_dispatch, "prepare", lambda *args: _dispatch.Call((), _Adapter(), 0, (), None, True))
+    monkeypatch.setattr(_kernels, "launch", lambda *args: pytest.fail("launched"))
+    v, s = torch.zeros(2, 3, 8), torch.zeros(3, 2)
+    sinks = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(RuntimeError, match=r"^bind\(merge_state\): an input requires grad, and a bound merge records no"):
+        cm.bind(cm.merge_state, v, s, v, s, out=v.clone(), out_lse=s.clone(), sinks=sinks)
+    with torch.no_grad():
+        cm.bind(cm.merge_state, v, s, v, s, out=v.clone(), out_lse=s.clone(), sinks=sinks)
+
+
 def test_a_bound_tensor_whose_storage_changed_is_refused(prepared_without_a_gpu):
     torch = pytest.importorskip("torch")
     output = torch.zeros(2, 3, 8)
