@@ -137,6 +137,9 @@ def merge_attn_states(
         An argument of the wrong kind or dtype; the message names it.
     ValueError
         A wrong shape, device, stride, alignment or overlap; the message names it.
+    RuntimeError
+        A torch input requires grad in grad mode: this form writes into its
+        arguments, so autograd cannot differentiate it (use :func:`merge_state`).
 
     See Also
     --------
@@ -238,6 +241,15 @@ def merge_state(
     --------
     merge_states : Any number of states in one pass.
 
+    Notes
+    -----
+    Differentiable: torch tensors that require grad (``nn.Parameter`` too) get
+    gradients through autograd, eagerly and under ``torch.compile``; JAX arrays
+    through ``jax.grad`` and ``jax.vjp`` (the backward is
+    :func:`cupy_merge.merge_state_backward`). A merge into given ``out=`` tensors,
+    or to FP8, raises ``RuntimeError`` when an input requires grad in grad mode;
+    inside a ``torch.func`` transform it raises ``TypeError``.
+
     Examples
     --------
     >>> import cupy, cupy_merge as cm
@@ -298,6 +310,13 @@ def merge_state_in_place(
     -------
     None
         The result is in ``v`` and ``s``.
+
+    Notes
+    -----
+    Writes into its arguments, so not differentiable: a torch input that
+    requires grad raises ``RuntimeError`` in grad mode (under ``torch.no_grad()``
+    it runs). :func:`cupy_merge.jax.merge_state_in_place` returns new arrays and
+    is differentiable.
 
     Examples
     --------

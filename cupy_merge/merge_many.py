@@ -89,6 +89,15 @@ def merge_states(
     --------
     merge_states_varlen : A different number of states for each token.
 
+    Notes
+    -----
+    Differentiable: torch tensors that require grad (``nn.Parameter`` too) get
+    gradients through autograd, eagerly and under ``torch.compile``; JAX arrays
+    through ``jax.grad`` and ``jax.vjp`` (the backward is
+    :func:`cupy_merge.merge_states_backward`). A merge into given ``out=`` tensors,
+    or to FP8, raises ``RuntimeError`` when an input requires grad in grad mode;
+    inside a ``torch.func`` transform it raises ``TypeError``.
+
     Examples
     --------
     >>> import cupy, cupy_merge as cm
@@ -172,6 +181,15 @@ def merge_states_varlen(
         ``[num_tokens, num_heads, head_size]``.
     s : DeviceArray
         ``[num_heads, num_tokens]``.
+
+    Notes
+    -----
+    Differentiable: torch tensors that require grad (``nn.Parameter`` too) get
+    gradients through autograd, eagerly and under ``torch.compile``; JAX arrays
+    through ``jax.grad`` and ``jax.vjp`` (the backward is
+    :func:`cupy_merge.merge_states_varlen_backward`). A merge into given ``out=`` tensors,
+    or to FP8, raises ``RuntimeError`` when an input requires grad in grad mode;
+    inside a ``torch.func`` transform it raises ``TypeError``.
 
     Examples
     --------
