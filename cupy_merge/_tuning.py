@@ -102,8 +102,8 @@ class Tuning:
     #: ragged rows two of their held chunk's). The planner counts a row's chunks in merge_chunk
     #: states either way. Session 22, % of the copy: three chunks of two against two of four
     #: (fewer bytes in flight, 9 KB less shared memory a block) 79.6 -> 84.0 at 1024 tokens of
-    #: 16 states, 84.6 -> 86.9 at 4096 of 8, +1.2-3.3 at 24-32 states and 256 tokens of 8,
-    #: within 1 at 48 states and 2048 tokens of 16 x 8 heads; four of two within 1 of two of four.
+    #: 16 states, 84.6 -> 86.9 at 4096 of 8, +1.8-3.3 at 24-32 states and 256 tokens of 8,
+    #: +0.2-1.2 at 48 states and 2048 tokens of 16 x 8 heads; four of two within 1.2 of two of four.
     backward_chunk: int = 2
     backward_stages: int = 3
     #: ... and blocks a multiprocessor keeps of those of two packs a lane (MERGE_BACKWARD_BLOCKS:
