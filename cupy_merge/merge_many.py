@@ -91,12 +91,8 @@ def merge_states(
 
     Notes
     -----
-    Differentiable: torch tensors that require grad (``nn.Parameter`` too) get
-    gradients through autograd, eagerly and under ``torch.compile``; JAX arrays
-    through ``jax.grad`` and ``jax.vjp`` (the backward is
-    :func:`cupy_merge.merge_states_backward`). A merge into given ``out=`` tensors,
-    or to FP8, raises ``RuntimeError`` when an input requires grad in grad mode;
-    inside a ``torch.func`` transform it raises ``TypeError``.
+    Differentiable as :func:`cupy_merge.merge_state` is (torch autograd, eager
+    and compiled; ``jax.grad``), through :func:`cupy_merge.merge_states_backward`.
 
     Examples
     --------
@@ -184,12 +180,8 @@ def merge_states_varlen(
 
     Notes
     -----
-    Differentiable: torch tensors that require grad (``nn.Parameter`` too) get
-    gradients through autograd, eagerly and under ``torch.compile``; JAX arrays
-    through ``jax.grad`` and ``jax.vjp`` (the backward is
-    :func:`cupy_merge.merge_states_varlen_backward`). A merge into given ``out=`` tensors,
-    or to FP8, raises ``RuntimeError`` when an input requires grad in grad mode;
-    inside a ``torch.func`` transform it raises ``TypeError``.
+    Differentiable as :func:`cupy_merge.merge_state` is (torch autograd, eager
+    and compiled; ``jax.grad``), through :func:`cupy_merge.merge_states_varlen_backward`.
 
     Examples
     --------
