@@ -48,6 +48,37 @@ def test_the_n_way_backward_is_the_gradient_of_the_merge(rng, lse_base, with_sin
         assert got_z is None
 
 
+@pytest.mark.parametrize("lse_base", ["e", 2])
+def test_the_two_way_and_ragged_backwards_are_the_gradients_of_their_merges(rng, lse_base):
+    """Each against finite differences of its own merge: uneven ragged rows, an empty token, sinks."""
+    sinks = rng.standard_normal(2)
+    v_a, v_b = rng.standard_normal((2, 3, 2, 4))
+    s_a, s_b = rng.standard_normal((2, 2, 3)) * 2
+    grad_v, grad_s = rng.standard_normal((3, 2, 4)), rng.standard_normal((2, 3))
+
+    def two_loss():
+        out, lse = reference.merge_state(v_a, s_a, v_b, s_b, lse_base, sinks=sinks)
+        return float((out * grad_v).sum() + (lse * grad_s).sum())
+
+    got = reference.merge_state_backward(v_a, s_a, v_b, s_b, grad_v, grad_s, sinks=sinks, lse_base=lse_base)
+    for index, x in enumerate((v_a, s_a, v_b, s_b, sinks)):
+        np.testing.assert_allclose(got[index], _numeric(two_loss, x), atol=1e-7, err_msg=f"two-way input {index}")
+    rows, lse = rng.standard_normal((7, 2, 4)), rng.standard_normal((2, 7)) * 2
+    indptr = np.array([0, 1, 1, 7])  # one state, none, six
+    grad_v, grad_s = rng.standard_normal((3, 2, 4)), rng.standard_normal((2, 3))
+    grad_s[:, 1] = 0.0  # the empty token's LSE is -inf: only its (zero) values carry a gradient
+
+    def ragged_loss():
+        out, merged = reference.merge_states_varlen(rows, lse, indptr, lse_base, sinks=sinks)
+        return float((out * grad_v).sum() + (np.where(np.isfinite(merged), merged, 0.0) * grad_s).sum())
+
+    got = reference.merge_states_varlen_backward(rows, lse, indptr, grad_v, grad_s, sinks=sinks, lse_base=lse_base)
+    for index, x in enumerate((rows, lse, None, sinks)):
+        if x is not None:
+            np.testing.assert_allclose(got[min(index, 2)], _numeric(ragged_loss, x), atol=1e-7,
+                                       err_msg=f"ragged input {index}")  # fmt: skip
+
+
 def test_the_two_way_and_ragged_backwards_agree_with_the_n_way_one(rng):
     v = rng.standard_normal((2, 4, 3, 8))
     s = rng.standard_normal((2, 3, 4))
