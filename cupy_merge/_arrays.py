@@ -404,6 +404,7 @@ def as_cupy(obj: Any, name: str = "array") -> cupy.ndarray:
 
 
 _torch_tensor: type | None = None
+_torch_parameter: type | None = None  # nn.Parameter (learned sinks): a plain tensor's fingerprint
 
 
 def fingerprints(operands: tuple) -> tuple | None:
@@ -411,12 +412,12 @@ def fingerprints(operands: tuple) -> tuple | None:
     of each (and torch's negation and requires-grad bits), or ``None`` when one of them has no cheap
     fingerprint (JAX, DLPack, other producers, tensors without a data pointer). A missing operand
     is ``None``."""
-    global _torch_tensor
+    global _torch_tensor, _torch_parameter
     parts: list = []
     try:
         for obj in operands:
             cls = type(obj)
-            if cls is _torch_tensor:
+            if cls is _torch_tensor or cls is _torch_parameter:
                 parts += (obj.data_ptr(), obj.shape, obj.stride(), obj.dtype, obj.is_neg(), obj.requires_grad)
             elif cls is cupy.ndarray:
                 data = obj.data
@@ -425,8 +426,9 @@ def fingerprints(operands: tuple) -> tuple | None:
                 parts.append(None)
             else:
                 torch = torch_module()
-                if _torch_tensor is None and torch is not None and cls is torch.Tensor:
-                    _torch_tensor = cls  # torch was imported after this module: learn its tensor type once
+                if _torch_tensor is None and torch is not None and cls in (torch.Tensor, torch.nn.Parameter):
+                    # torch was imported after this module: learn its tensor types once
+                    _torch_tensor, _torch_parameter = torch.Tensor, torch.nn.Parameter
                     return fingerprints(operands)
                 return None
     except RuntimeError:  # a sparse or meta tensor has no data pointer: the full path explains

@@ -26,6 +26,9 @@ def test_a_torch_tensor_is_fingerprinted_by_pointer_shape_strides_dtype_device_a
     assert fingerprint[0] == base.data_ptr()
     # Flat, so two arrays' parts can never be confused with one array's.
     assert _arrays.fingerprints((base, None)) != _arrays.fingerprints((None, base))
+    # An nn.Parameter (learned sinks in a decode loop) takes the fast path as the tensor it is.
+    parameter = torch.nn.Parameter(base)
+    assert _arrays.fingerprints((parameter,)) == _arrays.fingerprints((base.view(4, 8).requires_grad_(True),))
 
 
 def test_arrays_without_a_fingerprint_make_the_call_uncacheable():
