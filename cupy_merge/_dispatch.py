@@ -177,29 +177,23 @@ def call(operation: Operation, options: Options, operands: Operands, stream: Any
     """Run one merge: the call prepared for these arrays, options and tuning, or a new one."""
     if _compiling():
         return _compiled_call(operation, options, operands, stream)  # type: ignore[misc]
-    fingerprint = _arrays.fingerprints(operands)
-    if fingerprint is None:  # an array kind without a cheap fingerprint
-        return _call_by_kind(operation, options, operands, stream)
     tuning = _tuning.current()
-    calls = _calls if tuning is _tuning.DEFAULT else _calls_by_tuning.setdefault(tuning, {})
-    key = (operation, options, fingerprint)
-    prepared = calls.get(key)
-    if prepared is None:
+    fingerprint = _arrays.fingerprints(operands)
+    if fingerprint is None:  # an array kind without a cheap fingerprint: JAX's own path, or prepare afresh
+        if _arrays.is_jax(operands[2]) and _jax_call is not None:  # v_a or v
+            return _jax_call(operation, options, operands, stream)
         prepared = prepare(operation, options, operands, tuning)
-        if len(calls) >= _MAX_CALLS:
-            calls.clear()
-        calls[key] = prepared
+    else:
+        calls = _calls if tuning is _tuning.DEFAULT else _calls_by_tuning.setdefault(tuning, {})
+        key = (operation, options, fingerprint)
+        cached = calls.get(key)
+        if cached is None:
+            cached = prepare(operation, options, operands, tuning)
+            if len(calls) >= _MAX_CALLS:
+                calls.clear()
+            calls[key] = cached
+        prepared = cached
     if prepared.grad and _grad_enabled():
-        return _autograd_call(operation, options, operands, stream)  # type: ignore[misc]
-    return run(operation, prepared, operands, stream)
-
-
-def _call_by_kind(operation: Operation, options: Options, operands: Operands, stream: Any) -> Any:
-    primary = operands[2]  # v_a or v
-    if _arrays.is_jax(primary) and _jax_call is not None:
-        return _jax_call(operation, options, operands, stream)
-    prepared = prepare(operation, options, operands, _tuning.current())
-    if prepared.grad and _grad_enabled():  # e.g. an nn.Parameter: a tensor subclass, no fingerprint
         return _autograd_call(operation, options, operands, stream)  # type: ignore[misc]
     return run(operation, prepared, operands, stream)
 
