@@ -211,7 +211,7 @@ def compile_module(module: cat.Module, target: Target, *, cache: bool = True) ->
             nvrtc.compileProgram(program, [*module.options, target.option])
         except nvrtc.NVRTCError as error:
             raise KernelCompileError(module.source, nvrtc.getProgramLog(program)) from error
-        binary = nvrtc.getPTX(program).encode() if target.ptx else nvrtc.getCUBIN(program)
+        binary = _as_bytes(nvrtc.getPTX(program)) if target.ptx else nvrtc.getCUBIN(program)
         if not binary:
             raise KernelCompileError(module.source, "NVRTC produced an empty binary")
         names = {kernel: nvrtc.getLoweredName(program, kernel) for kernel in kernels}
@@ -224,6 +224,11 @@ def compile_module(module: cat.Module, target: Target, *, cache: bool = True) ->
     if cache:
         _store(_cache_file(module, target), compiled, version)
     return compiled
+
+
+def _as_bytes(text: str | bytes) -> bytes:
+    """NVRTC's PTX: str from CuPy 13's getPTX, bytes from CuPy 14's."""
+    return text if isinstance(text, bytes) else text.encode()
 
 
 def _store(names_file: pathlib.Path, compiled: Compiled, version: tuple[int, int]) -> None:

@@ -170,3 +170,12 @@ def test_a_missing_nvrtc_is_reported_in_one_line_naming_the_extras(monkeypatch):
         ) as raised:
             attempt()
         assert isinstance(raised.value, RuntimeError) and "\n" not in str(raised.value)
+
+
+def test_a_gpu_newer_than_nvrtc_gets_ptx_it_can_load():
+    """The PTX path (the newest architecture NVRTC knows, for a GPU it does not): text whatever
+    CuPy's getPTX returns (str in CuPy 13, bytes in 14), its kernels named."""
+    module = next(m for m in cat.all_modules() if m.source == "merge_two_states.cu" and m.in_dtype == "float32")
+    compiled = _kernels.compile_module(module, _kernels.Target("90", ptx=True), cache=False)
+    assert compiled.ptx and isinstance(compiled.binary, bytes) and b".target sm_90" in compiled.binary
+    assert set(compiled.names) == set(cat.module_instances(module))
