@@ -139,6 +139,12 @@ __device__ __forceinline__ void copy_async(void* shared, const void* global) {
 
 __device__ __forceinline__ void commit_async() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
+// The stage after `stage` of STAGES chunks in flight, in turn.
+template <int STAGES>
+__device__ __forceinline__ int next_stage(int stage) {
+  return STAGES == 2 ? stage ^ 1 : (stage + 1 < STAGES ? stage + 1 : 0);
+}
+
 template <int N>
 __device__ __forceinline__ void wait_async() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");

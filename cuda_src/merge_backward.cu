@@ -454,8 +454,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
       Index k0 = 0;
       int stage = 0;
 #pragma unroll 1
-      for (Index i0 = first_chunk; i0 < loop_count;
-           i0 += chunk_step, k0 += kChunk, stage = kStages == 2 ? stage ^ 1 : (stage + 1 < kStages ? stage + 1 : 0)) {
+      for (Index i0 = first_chunk; i0 < loop_count; i0 += chunk_step, k0 += kChunk, stage = next_stage<kStages>(stage)) {
         if constexpr (kAsync) {
           wait_async<kStages - 1>();  // this chunk's group (the next chunks' may still be out)
         } else if (i0 > first_chunk) {

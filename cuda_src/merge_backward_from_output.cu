@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, 
     if constexpr (PACKS > 0) {
       int stage = 0;
 #pragma unroll 1
-      for (Index i0 = first_chunk; i0 < loop_count; i0 += chunk_step, stage = kStages == 2 ? stage ^ 1 : (stage + 1 < kStages ? stage + 1 : 0)) {
+      for (Index i0 = first_chunk; i0 < loop_count; i0 += chunk_step, stage = next_stage<kStages>(stage)) {
         // Held: the chunk's loads together, then L2 asked for the next chunk's values. Staged:
         // each state's packs read from shared memory just before their use (fewer registers).
         float lse[kChunk];
