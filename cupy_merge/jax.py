@@ -403,11 +403,55 @@ def _raw(cfg: _Config, arrays: tuple) -> tuple:
     avals = tuple((tuple(x.shape), numpy.dtype(x.dtype)) for x in arrays)
     entry = _entry(cfg, avals)
     if entry.call is None:
-        return _empty_results(cfg, entry, arrays)
+        return _varying(_empty_results(cfg, entry, arrays), arrays)
     outputs = list(entry.call(*arrays))
     if entry.fp8:
         outputs[0] = jax.lax.bitcast_convert_type(outputs[0], jax.jnp.float8_e4m3fn)
-    return tuple(outputs)
+    return _varying(tuple(outputs), arrays)
+
+
+# -- inside shard_map: the mesh axes a value varies over (JAX's "vma" type) --------------------------
+
+
+def _vma(x: Any) -> frozenset:
+    """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty elsewhere, or on a JAX
+    without the type)."""
+    typeof = getattr(_jax().jax, "typeof", None)
+    if typeof is None:
+        return frozenset()
+    aval = typeof(x)
+    mat = getattr(aval, "mat", None)  # JAX 0.10: the axes' types; 0.6-0.9: ``vma`` alone
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _vary(x: Any, axes: frozenset) -> Any:
+    """``x`` typed as varying over ``axes`` too (its values unchanged)."""
+    missing = tuple(sorted(axes - _vma(x)))
+    if not missing:
+        return x
+    lax = _jax().lax
+    pcast = getattr(lax, "pcast", None)
+    return pcast(x, missing, to="varying") if pcast is not None else lax.pvary(x, missing)
+
+
+def _varying(results: tuple, arrays: tuple) -> tuple:
+    """A callback's results typed as varying over every axis its operands vary over: XLA's
+    callbacks give untyped (replicated) results, which ``shard_map``'s type check refuses where
+    they meet the operands' types (a custom VJP's gradients, a scan's carry)."""
+    axes = frozenset().union(*(_vma(x) for x in arrays))
+    return tuple(_vary(x, axes) for x in results) if axes else results
+
+
+def _typed_like(grad: Any, primal: Any) -> Any:
+    """A gradient of the type of its primal inside ``shard_map``: summed over the axes the primal
+    does not vary over (a replicated operand, such as the sinks, gets every shard's share, as
+    JAX's own rules give it), cast to vary over those it does."""
+    if grad is None:
+        return None
+    extra = _vma(grad) - _vma(primal)
+    if extra:
+        grad = _jax().lax.psum(grad, tuple(sorted(extra)))
+    return _vary(grad, _vma(primal))
 
 
 def _empty_results(cfg: _Config, entry: _Entry, arrays: tuple) -> tuple:
@@ -496,7 +540,7 @@ def _vjp_backward(cfg: _Config, residuals: tuple, cotangents: tuple) -> tuple:
         values = dict(given, grad_out=grad_out, grad_lse=grad_lse, merged=results[0], merged_lse=results[1])
         grads = _backward_call(operation, options, cfg.tuning, fields + sinks, values)
         named = {"v": grads[0], "s": grads[1], "sinks": grads[2] if sinks else None}
-    return tuple(named.get(field) for field in cfg.fields)
+    return tuple(_typed_like(named.get(field), given[field]) for field in cfg.fields)
 
 
 def _either(*masks: Any) -> Any:
@@ -642,17 +686,25 @@ def _rule_two(cfg: _Config, size: int, in_batched: list, *args: Any):
     """Two-way merges: B folded into the tokens ([B, T, H, D] -> [B * T, H, D], free; the LSEs
     token-major, free for one token), one launch. Sequential when a value array, the sinks or the
     scale is not batched alike, or a prefill cut would fall inside the folded tokens."""
+    if cfg.in_place:
+        # The outputs alias v_a and s_a: each batch element needs its own copy to be written into
+        # (mapped elements sharing one unbatched buffer would all write into it), and so the
+        # whole batch folds into one launch.
+        args = tuple(_broadcast(x, batched, size) if field in ("v_a", "s_a", "v_b", "s_b") else x
+                     for field, x, batched in zip(cfg.fields, args, in_batched))  # fmt: skip
+        in_batched = [batched or field in ("v_a", "s_a", "v_b", "s_b") for field, batched in zip(cfg.fields, in_batched)]
     batched = dict(zip(cfg.fields, in_batched))
     given = dict(zip(cfg.fields, args))
     tokens = given["v_a"].shape[-3]
     cut = getattr(cfg.options, "merge_tokens", None)
-    if (
-        not (batched["v_a"] and batched["v_b"])
-        or batched.get("sinks")
-        or batched.get("output_scale")
-        or (cut is not None and cut < tokens)
-    ):
+    if not (batched["v_a"] and batched["v_b"]) or batched.get("sinks") or batched.get("output_scale"):
         return _sequential(cfg, size, in_batched, args)
+    if cut is not None:
+        # The cut counts each batch element's own tokens: one past every token is no cut at all,
+        # and one inside them would fall once into the folded tokens, so each element is merged alone.
+        if cut < tokens:
+            return _sequential(cfg, size, in_batched, args)
+        cfg = cfg._replace(options=cfg.options._replace(merge_tokens=None))
     folded = []
     for field, x in zip(cfg.fields, args):
         if field in ("v_a", "v_b", "mask", "output_block_scale"):
@@ -834,7 +886,7 @@ def _raw_backward(cfg: _Config, arrays: tuple) -> tuple:
     if entry.call is None:
         return tuple(jnp.zeros(shape, dtype) for shape, dtype in entry.results)
     zeros = [jnp.zeros(*entry.results[position]) for position in entry.zeroed]
-    return tuple(entry.call(*arrays, *zeros))
+    return _varying(tuple(entry.call(*arrays, *zeros)), arrays)
 
 
 @functools.cache
@@ -1043,6 +1095,55 @@ class _Route(NamedTuple):
     function: Any
     operands: Any  # operator.itemgetter of the operands passed (a tuple)
     required: tuple[int, ...]  # the operands that may not be None
+    names: tuple[str, ...]  # the public names of the operands passed
+    scale: int  # the position of output_scale among them, or -1
+
+
+#: The platforms of JAX devices whose arrays the kernels read (tests add JAX's CPU for a stand-in).
+_LAUNCH_PLATFORMS = frozenset({"gpu", "cuda"})
+_placements: dict[Any, frozenset] = {}  # the platforms of a sharding's devices
+
+
+def _call(route: _Route, arrays: tuple) -> tuple:
+    """Run a route's jitted function on the operands it passes: each concrete array checked to be
+    on a CUDA device (a CPU array would reach the kernels' callback on the CPU), and a weakly
+    typed scale (a Python float; float64 under ``jax_enable_x64``) taken as the float32 it means."""
+    passed = route.operands(arrays)
+    _check_placement(passed, route.names)
+    if route.scale >= 0:
+        scale = passed[route.scale]
+        if type(scale) in (float, int):
+            passed = (*passed[: route.scale], numpy.float32(scale), *passed[route.scale + 1 :])
+        elif getattr(scale, "weak_type", False) and scale.dtype.kind == "f":
+            passed = (*passed[: route.scale], scale.astype(numpy.float32), *passed[route.scale + 1 :])
+    return route.function(*passed)
+
+
+def _has_cuda_devices() -> bool:
+    try:
+        return bool(_devices_to_prepare())
+    except RuntimeError:  # a JAX without CUDA: the merge says what to install when it is traced
+        return False
+
+
+def _check_placement(arrays: tuple, names: tuple) -> None:
+    """Each concrete JAX array must lie on a CUDA device, where JAX has one (``ValueError`` naming it)."""
+    tracer = _jax().tracer
+    for x, name in zip(arrays, names):
+        if x is None or isinstance(x, tracer) or not hasattr(x, "sharding"):
+            continue
+        sharding = x.sharding
+        platforms = _placements.get(sharding)
+        if platforms is None:
+            platforms = frozenset(device.platform for device in sharding.device_set)
+            if len(_placements) < 256:
+                _placements[sharding] = platforms
+        if not platforms <= _LAUNCH_PLATFORMS and _has_cuda_devices():
+            kinds = sorted(platform.upper() for platform in platforms)
+            raise ValueError(
+                f"{name}: expected a JAX array on a CUDA device, got one on {' and '.join(kinds)}; the kernels run "
+                f"on NVIDIA GPUs only: place it with jax.device_put(x, jax.devices('cuda')[0])"
+            )
 
 
 _routes: dict[tuple, _Route] = {}
@@ -1086,7 +1187,9 @@ def _route(operation: _dispatch.Operation, options: Any, operands: Any, in_place
         fields = tuple(operands._fields[index] for index in indices)
         scales_aliased = "output_block_scale" in fields
         function = _function(operation, options, key[2], fields, in_place, scales_aliased)
-        route = _Route(function, operator.itemgetter(*indices), required)
+        names = tuple(operation.names[index] for index in indices)
+        scale = fields.index("output_scale") if "output_scale" in fields else -1
+        route = _Route(function, operator.itemgetter(*indices), required, names, scale)
         with _lock:
             if len(_routes) >= 4096:
                 _routes.clear()
@@ -1097,7 +1200,7 @@ def _route(operation: _dispatch.Operation, options: Any, operands: Any, in_place
 def _apply(operation: _dispatch.Operation, options: Any, operands: Any, in_place: bool = False) -> tuple:
     """Run one merge of JAX arrays (or tracers): its jitted function on the operands given."""
     route = _route(operation, options, operands, in_place)
-    return route.function(*route.operands(operands))
+    return _call(route, operands)
 
 
 def _run(key: tuple | None, arrays: tuple, slow: Any) -> tuple:
@@ -1121,7 +1224,7 @@ def _run(key: tuple | None, arrays: tuple, slow: Any) -> tuple:
                 if len(_quick) >= 4096:
                     _quick.clear()
                 _quick[key] = route
-    return route.function(*route.operands(arrays))
+    return _call(route, arrays)
 
 
 def _check_indptr_on_host(operands: ManyStateOperands, names: ManyStateOperands) -> None:
@@ -1202,6 +1305,7 @@ def _apply_backward(operation: _dispatch.Operation, options: Any, operands: Back
         if getattr(operands, field) is None:
             raise TypeError(f"{getattr(names, field)}: expected a JAX array, got None")
     fields = tuple(field for field in _BACKWARD_INPUTS if getattr(operands, field) is not None)
+    _check_placement(tuple(getattr(operands, field) for field in fields), tuple(getattr(names, field) for field in fields))
     tuning = _tuning.current()
     key = (operation, options, tuning, fields)
     function = _jitted.get(key)

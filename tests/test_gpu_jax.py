@@ -424,6 +424,73 @@ def test_vmap_of_the_masked_in_place_merge(rng):
     _expect_merged(*jax.jit(jax.vmap(cmj.merge_state_in_place))(v, s, w, t, mask), want_v, want_s, "float32")
 
 
+@pytest.mark.parametrize("size", [3, 10])
+def test_vmap_over_masks_alone_gives_each_mask_its_own_output(rng, size):
+    """The merged state shared, the masks batched: each element writes its own copy (issue 47)."""
+    v, s, w, t = _states(rng, 9, 4, 64, "float32")
+    masks = jnp.asarray(rng.random((size, 9)) < 0.5)
+    merged_v, merged_s = reference.merge_state(*(_host(x) for x in (v, s, w, t)))
+    for vmapped in (jax.vmap, lambda f, **k: jax.jit(jax.vmap(f, **k))):
+        got_v, got_s = vmapped(cmj.merge_state_in_place, in_axes=(None, None, None, None, 0))(v, s, w, t, masks)
+        for b in range(size):
+            keep = ~np.asarray(masks[b])
+            want_v = np.where(keep[:, None, None], _host(v), merged_v)
+            want_s = np.where(keep[None, :], _host(s), merged_s)
+            _expect_merged(got_v[b], got_s[b], want_v, want_s, "float32")
+
+
+@pytest.mark.parametrize("cut", [2, 9, 10, 20])
+def test_vmap_of_merge_attn_states_cuts_each_elements_own_tokens(rng, cut):
+    batch = [_states(rng, 9, 4, 64, "bfloat16") for _ in range(3)]
+    v, s, w, t = (jnp.stack(column) for column in zip(*batch))
+    want_v, want_s = _batch_reference(reference.merge_state, *(_host(x) for x in (v, s, w, t)))
+    want_v[:, cut:], want_s[:, :, cut:] = _host(w)[:, cut:], _host(t)[:, :, cut:]
+    merge = jax.jit(jax.vmap(lambda *a: cmj.merge_attn_states(*a, prefill_tokens_with_context=cut)))
+    _expect_merged(*merge(v, s, w, t), want_v, want_s, "bfloat16")
+
+
+def test_grad_inside_shard_map_follows_the_reference_backward(rng):
+    from jax.sharding import Mesh, PartitionSpec
+
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:
+        from jax.experimental.shard_map import shard_map
+    mesh = Mesh(np.array(_cuda_devices()[:1]), ("x",))
+    v = _device(rng.standard_normal((5, 7, 4, 64)), "float32")
+    s = jnp.asarray(_lse(rng, 5, 4, 7))
+    sinks = jnp.asarray(_lse(rng, 4))
+    grad_out = _device(rng.standard_normal((7, 4, 64)), "float32")
+    grad_lse = jnp.asarray(rng.standard_normal((4, 7)).astype(np.float32))
+
+    def loss(v, s, sinks):
+        out, lse = cmj.merge_states(v, s, sinks=sinks)
+        return jnp.sum(out * grad_out) + jnp.sum(lse * grad_lse)
+
+    replicated = PartitionSpec()
+    grads = jax.jit(shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh,
+                              in_specs=(PartitionSpec("x"), PartitionSpec("x"), replicated),
+                              out_specs=(PartitionSpec("x"), PartitionSpec("x"), replicated)))(v, s, sinks)  # fmt: skip
+    want = reference.merge_states_backward(_host(v), _host(s), _host(grad_out), _host(grad_lse), sinks=_host(sinks))
+    for got, expected in zip(grads, want):
+        _expect(got, expected, 1e-5)
+
+
+def test_a_python_float_scale_under_x64_and_a_cpu_array_refused_by_name(rng):
+    v_a, s_a, v_b, s_b = _states(rng, 9, 4, 64, "bfloat16")
+    want_v, want_s = reference.merge_state(*(_host(x) for x in (v_a, s_a, v_b, s_b)))
+    enable = getattr(jax, "enable_x64", None)
+    if enable is None:
+        from jax.experimental import enable_x64 as enable
+    with enable(True):
+        got_v, got_s = cmj.merge_state(v_a, s_a, v_b, s_b, out_dtype=FP8, output_scale=0.5)
+    _expect_fp8(got_v, want_v / 0.5)
+    _expect(got_s, want_s, 1e-6)
+    on_cpu = jax.device_put(v_a, jax.devices("cpu")[0])
+    for merge in (cmj.merge_state, cm.merge_state):
+        with pytest.raises(ValueError, match=r"^v_a: expected a JAX array on a CUDA device, got one on CPU"):
+            merge(on_cpu, s_a, v_b, s_b)
+
+
 # -- addresses, replays, derivatives ------------------------------------------------------------------------
 
 

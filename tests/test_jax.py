@@ -80,9 +80,9 @@ def _numpy_merge(call: cmj.HostCall, buffers: tuple) -> None:
             else:
                 tail = reference.merge_states(v_b[None, cut:], s_b[None, :, cut:], base, sinks=sinks)
                 want[cut:], want_lse[:, cut:] = tail
-        if specs.mask is not None:
-            keep = ~view("mask").astype(bool)
-            want[keep], want_lse[:, keep] = v_a[keep], s_a[:, keep]
+    written = slice(None)
+    if getattr(specs, "mask", None) is not None:  # the kernel reads and writes the masked tokens alone
+        written = view("mask").astype(bool)
     out = view("out")
     if specs.out.dtype == FP8:
         if specs.output_scale is not None:
@@ -92,10 +92,10 @@ def _numpy_merge(call: cmj.HostCall, buffers: tuple) -> None:
                 want, options.group_size, bool(options.scale_ue8m0)
             )
             view("output_block_scale")[...] = scales
-        out[...] = quantised.view(np.uint8)
+        out[written] = quantised.view(np.uint8)[written]
     else:
-        out[...] = want.astype(out.dtype)
-    view("out_lse")[...] = want_lse.astype(np.float32)
+        out[written] = want.astype(out.dtype)[written]
+    view("out_lse")[:, written] = want_lse.astype(np.float32)[:, written]
     _numpy_merge.calls += 1
 
 
@@ -1037,6 +1037,7 @@ def recorder(monkeypatch):
     original = cmj._pointer
     monkeypatch.setattr(cmj, "_DLPACK_CUDA", 1)  # CPU buffers take the launch path
     monkeypatch.setattr(cmj, "_devices_to_prepare", lambda: (0,))
+    monkeypatch.setattr(cmj, "_LAUNCH_PLATFORMS", cmj._LAUNCH_PLATFORMS | {"cpu"})  # the CPU stands for device 0
     monkeypatch.setattr(cmj, "_stream_of", lambda context: 1234)
     monkeypatch.setattr(
         cmj, "_pointer", lambda buffer: record.pointers.append(original(buffer)) or record.pointers[-1]
@@ -1163,3 +1164,167 @@ def test_the_ragged_vmap_rule_gives_a_token_of_offsets_out_of_range_an_empty_mer
     assert lse.shape == (batch * (tokens + 1), heads) and not np.isnan(lse).any()
     assert (lse[tokens + 1 + 2] == -np.inf).all()  # batch element 1, token 2
     assert (lse[[0, 1, 2, tokens + 1, tokens + 2]] == 1).all()  # the tokens in range keep theirs
+
+
+# -- issue 47: what must stay per batch element, shard_map types, weak scalars, placement -------------
+
+
+@pytest.mark.parametrize("cut", [4, 5, 11])
+def test_vmap_applies_a_prefill_cut_to_each_batch_elements_own_tokens(numpy_kernels, rng, cut):
+    """tokens <= cut < batch * tokens: every token of every element merges (the cut is per element)."""
+    batch = _stacked(rng, 3, 4, 2, 8)
+    want = _reference_batch(reference.merge_state, *batch)
+    for merge in (jax.vmap, lambda f: jax.jit(jax.vmap(f))):
+        got = merge(lambda *a: cmj.merge_attn_states(*a, prefill_tokens_with_context=cut))(*batch)
+        _close(got[0], want[0])
+        _close(got[1], want[1])
+
+
+def test_vmap_of_the_prefill_cut_and_its_gradients_stay_per_element(numpy_kernels, rng):
+    batch = _stacked(rng, 3, 4, 2, 8)
+    cut = 2
+    want = _reference_batch(reference.merge_state, *batch)
+    want[0][:, cut:], want[1][:, :, cut:] = _host(batch[2])[:, cut:], _host(batch[3])[:, :, cut:]
+    got = jax.vmap(lambda *a: cmj.merge_attn_states(*a, prefill_tokens_with_context=cut))(*batch)
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+
+    def loss(v_a, s_a, v_b, s_b):
+        v, s = cmj.merge_attn_states(v_a, s_a, v_b, s_b, prefill_tokens_with_context=5)
+        return jnp.sum(v * v) + jnp.sum(jnp.sin(s))
+
+    def loss_all(v_a, s_a, v_b, s_b):
+        v, s = cmj.merge_state(v_a, s_a, v_b, s_b)
+        return jnp.sum(v * v) + jnp.sum(jnp.sin(s))
+
+    got = jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3)))(*batch)
+    want = jax.vmap(jax.grad(loss_all, argnums=(0, 1, 2, 3)))(*batch)  # cut 5 > 4 tokens: every token merges
+    for g, w in zip(got, want):
+        _close(g, _host(w))
+
+
+@pytest.mark.parametrize("size", [3, 10])
+def test_vmap_over_masks_alone_gives_each_mask_its_own_output(numpy_kernels, rng, size):
+    v, s, w, t = _states(rng, 4, 2, 8)
+    masks = jnp.asarray(rng.random((size, 4)) < 0.5)
+    merged_v, merged_s = reference.merge_state(_host(v), _host(s), _host(w), _host(t))
+    for merge in (jax.vmap, lambda f, **k: jax.jit(jax.vmap(f, **k))):
+        got_v, got_s = merge(cmj.merge_state_in_place, in_axes=(None, None, None, None, 0))(v, s, w, t, masks)
+        for b in range(size):
+            keep = ~np.asarray(masks[b])
+            want_v = np.where(keep[:, None, None], _host(v), merged_v)
+            want_s = np.where(keep[None, :], _host(s), merged_s)
+            _close(got_v[b], want_v)
+            _close(got_s[b], want_s)
+
+
+def test_vmap_of_the_masked_merge_with_only_the_other_state_batched(numpy_kernels, rng):
+    v, s, _, _ = _states(rng, 4, 2, 8)
+    _, _, w, t = _stacked(rng, 3, 4, 2, 8)
+    masks = jnp.asarray(rng.random((3, 4)) < 0.5)
+    got_v, got_s = jax.vmap(cmj.merge_state_in_place, in_axes=(None, None, 0, 0, 0))(v, s, w, t, masks)
+    for b in range(3):
+        merged_v, merged_s = reference.merge_state(_host(v), _host(s), _host(w[b]), _host(t[b]))
+        keep = ~np.asarray(masks[b])
+        _close(got_v[b], np.where(keep[:, None, None], _host(v), merged_v))
+        _close(got_s[b], np.where(keep[None, :], _host(s), merged_s))
+
+
+def _shard_map():
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:
+        from jax.experimental.shard_map import shard_map
+    return shard_map
+
+
+@pytest.mark.parametrize("merge", ["merge_state", "merge_states", "merge_states_varlen", "merge_state_in_place"])
+def test_grad_inside_shard_map_follows_the_reference(numpy_kernels, rng, merge):
+    """The gradients carry the inputs' varying-axes types (check_vma, the default), replicated sinks too."""
+    from jax.sharding import Mesh, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
+    sinks = jnp.asarray(rng.standard_normal(2), jnp.float32)
+    if merge in ("merge_state", "merge_state_in_place"):
+        v_a, s_a, v_b, s_b = _states(rng, 4, 2, 8)
+        v, s = jnp.stack([v_a, v_b]), jnp.stack([s_a, s_b])
+    else:
+        v = jnp.asarray(rng.standard_normal((3, 4, 2, 8)), jnp.float32)
+        s = jnp.asarray(rng.standard_normal((3, 2, 4)) * 3, jnp.float32)
+    indptr = jnp.asarray([0, 3, 6, 9, 12], jnp.int32)
+
+    def run(v, s, sinks):
+        if merge == "merge_state":
+            out, lse = cmj.merge_state(v[0], s[0], v[1], s[1], sinks=sinks)
+        elif merge == "merge_state_in_place":
+            out, lse = cmj.merge_state_in_place(v[0], s[0], v[1], s[1], sinks=sinks)
+        elif merge == "merge_states":
+            out, lse = cmj.merge_states(v, s, sinks=sinks)
+        else:
+            rows = v.reshape(12, 2, 8)
+            lses = jnp.transpose(s, (1, 0, 2)).reshape(2, 12)
+            out, lse = cmj.merge_states_varlen(rows, lses, indptr, check_indptr=False, sinks=sinks)
+        return jnp.sum(out * out) + jnp.sum(jnp.sin(lse))
+
+    def reference_loss(v, s, sinks):
+        if merge in ("merge_state", "merge_state_in_place", "merge_states"):
+            states_v, states_s = v, s
+        else:
+            states_v = v.reshape(4, 3, 2, 8).transpose(1, 0, 2, 3)
+            states_s = jnp.transpose(s, (1, 0, 2)).reshape(2, 4, 3).transpose(2, 0, 1)
+        z = jnp.concatenate([states_s, jnp.broadcast_to(sinks[None, :, None], (1, *states_s.shape[1:]))])
+        lse = jax.scipy.special.logsumexp(z, axis=0)
+        out = jnp.sum(jnp.exp(states_s - lse)[..., None].transpose(0, 2, 1, 3) * states_v, axis=0)
+        return jnp.sum(out * out) + jnp.sum(jnp.sin(lse))
+
+    replicated = PartitionSpec()
+    sharded = jax.jit(
+        _shard_map()(
+            jax.grad(run, argnums=(0, 1, 2)), mesh=mesh, in_specs=(PartitionSpec("x"), PartitionSpec("x"), replicated),
+            out_specs=(PartitionSpec("x"), PartitionSpec("x"), replicated),
+        )
+    )
+    got = sharded(v, s, sinks)
+    want = jax.grad(reference_loss, argnums=(0, 1, 2))(v, s, sinks)
+    for g, w in zip(got, want):
+        _close(g, _host(w), 1e-4)
+
+
+def _x64():
+    enable = getattr(jax, "enable_x64", None)
+    if enable is None:
+        from jax.experimental import enable_x64 as enable
+    return enable(True)
+
+
+def test_a_python_float_scale_is_taken_as_float32_with_x64_enabled(numpy_kernels, rng):
+    v_a, s_a, v_b, s_b = _states(rng, 4, 2, 8)
+    want_v, want_s = reference.merge_state(*(_host(x) for x in (v_a, s_a, v_b, s_b)))
+    want_fp8 = reference.quantize_fp8(want_v, 0.5).astype(np.float64)
+    with _x64():
+        for merge in (cmj.merge_state, cm.merge_state, jax.jit(cmj.merge_state, static_argnames="out_dtype")):
+            got_v, got_s = merge(v_a, s_a, v_b, s_b, out_dtype=FP8, output_scale=0.5)
+            _close(got_v, want_fp8)
+            _close(got_s, want_s)
+        scaled = jax.jit(lambda c: cmj.merge_states(jnp.stack([v_a, v_b]), jnp.stack([s_a, s_b]), out_dtype=FP8,
+                                                    output_scale=c))  # fmt: skip
+        got_v, _ = scaled(0.5)  # a weakly typed float64 tracer
+        _close(got_v, want_fp8)
+
+
+def test_a_jax_array_on_the_cpu_is_refused_by_name_before_anything_runs(monkeypatch, rng):
+    """With CUDA devices present, an operand placed on the CPU device raises naming it, at once."""
+    monkeypatch.setattr(cmj, "_devices_to_prepare", lambda: (0,))
+    cmj._clear_caches()
+    calls = []
+    monkeypatch.setattr(cmj, "_on_host", lambda *args: calls.append(args))
+    cpu = jax.devices("cpu")[0]
+    v_a, s_a, v_b, s_b = (jax.device_put(x, cpu) for x in _states(rng, 4, 2, 8))
+    try:
+        for merge in (cmj.merge_state, cm.merge_state):
+            with pytest.raises((TypeError, ValueError), match=r"v_a: .*CUDA.*CPU"):
+                merge(v_a, s_a, v_b, s_b)
+        with pytest.raises((TypeError, ValueError), match=r"^v: .*CUDA.*CPU"):
+            cmj.merge_states(jnp.stack([v_a, v_b]), jnp.stack([s_a, s_b]))
+        assert calls == []
+    finally:
+        cmj._clear_caches()
