@@ -327,11 +327,21 @@ class TorchAdapter(Adapter):
         if stream is None:
             return make(shape, dtype=getattr(torch, dtype), device=where)
         # torch's caching allocator hands a block back only to allocations on its stream.
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=where)):
+        with torch.cuda.stream(torch_stream(stream, where)):
             return make(shape, dtype=getattr(torch, dtype), device=where)
 
     def pointer(self, array: Any) -> int:
         return array.data_ptr()
+
+    def mark_written(self, tensors: tuple) -> None:
+        """Count a launch's writes into ``tensors`` as in-place modifications (their version
+        counters: what torch's own ops bump, and autograd checks before using a saved tensor)."""
+        increment = torch_module()._C._increment_version
+        try:
+            increment(tensors)
+        except TypeError:  # torch before 2.6 takes one tensor at a time
+            for tensor in tensors:
+                increment(tensor)
 
     def view(self, buffer: Any, dtype: str, shape: tuple, strides: tuple, byte_offset: int) -> Any:
         torch = torch_module()
@@ -345,7 +355,18 @@ class TorchAdapter(Adapter):
         torch = torch_module()
         if stream is None or device == HOST:
             return contextlib.nullcontext()
-        return torch.cuda.stream(torch.cuda.ExternalStream(stream, device=torch.device("cuda", device)))
+        return torch.cuda.stream(torch_stream(stream, torch.device("cuda", device)))
+
+
+def torch_stream(pointer: int, device: Any) -> Any:
+    """The torch stream of a raw ``cudaStream_t`` on ``device``. The null stream is torch's default
+    stream: ``torch.cuda.ExternalStream(0)`` would be a new stream from torch's pool instead, not
+    ordered with the default stream's work (a host read of the offsets on it read memory before
+    their producer had written it)."""
+    torch = torch_module()
+    if pointer == 0:
+        return torch.cuda.default_stream(device)
+    return torch.cuda.ExternalStream(pointer, device=device)
 
 
 CUPY = CupyAdapter()
@@ -463,7 +484,7 @@ def to_numpy(array: Any, stream: int | None = None) -> numpy.ndarray:
         torch = torch_module()
         if stream is None or not array.is_cuda:
             return array.detach().cpu().numpy()
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=array.device)):
+        with torch.cuda.stream(torch_stream(stream, array.device)):
             return array.detach().cpu().numpy()
     array = as_cupy(array)
     if stream is None:

@@ -128,7 +128,8 @@ class Call(NamedTuple):
     device: int
     fresh: tuple[tuple[FreshOutput, tuple[tuple[int, int, int], ...]], ...]  # (launch, slot, byte offset) to patch
     indptr_rows: int | None
-    grad: bool = False  # an input requires grad: run through autograd when grad mode is on
+    grad: bool = False  # a torch operand requires grad: run through autograd when grad mode is on
+    written: tuple[str, ...] = ()  # the caller's torch tensors the launches write into
 
 
 # -- framework integrations -----------------------------------------------------------------------
@@ -195,7 +196,10 @@ def call(operation: Operation, options: Options, operands: Operands, stream: Any
         prepared = cached
     if prepared.grad and _grad_enabled():
         return _autograd_call(operation, options, operands, stream)  # type: ignore[misc]
-    return run(operation, prepared, operands, stream)
+    result = run(operation, prepared, operands, stream)
+    if prepared.written:
+        _arrays.TORCH.mark_written(tuple(getattr(operands, field) for field in prepared.written))
+    return result
 
 
 def prepare(operation: Operation, options: Options, operands: Operands, tuning: _tuning.Tuning) -> Call:
@@ -204,12 +208,15 @@ def prepare(operation: Operation, options: Options, operands: Operands, tuning: 
     fields = operands._fields
     adapter = _arrays.adapter_for(operands[2], names[2])  # v_a or v: results come back in its kind
     views: dict[str, ArrayView] = {}
+    tensors: list[str] = []
     for field in (*fields[2:], *fields[:2]):  # inputs first
         obj = getattr(operands, field)
         name = getattr(names, field)
         if obj is None and field not in operation.required:
             continue
         kind = _arrays.adapter_for(obj, name)
+        if kind is _arrays.TORCH:
+            tensors.append(field)
         if field in WRITTEN and not kind.writable(obj):
             what = "JAX arrays are immutable and cannot be written in place" if kind is _arrays.JAX else (
                 "a read-only array cannot be written"
@@ -236,12 +243,27 @@ def prepare(operation: Operation, options: Options, operands: Operands, tuning: 
                        for slot, field, offset in launch.pointers if field == output.field))
         for output in planned.fresh
     )  # fmt: skip
-    # Whether a torch input requires grad: in grad mode the call goes through autograd, which
-    # refuses the forms that write into their arguments.
-    grad = adapter is _arrays.TORCH and any(
-        getattr(getattr(operands, field), "requires_grad", False) for field in views if field not in WRITTEN
-    )
-    return Call(launches, adapter, device, fresh, planned.indptr_rows, grad)
+    grad, written = autograd_facts(operands, tensors)
+    return Call(launches, adapter, device, fresh, planned.indptr_rows, grad, written)
+
+
+def autograd_facts(operands: Operands, tensors: list[str]) -> tuple[bool, tuple[str, ...]]:
+    """What autograd must know of a call, from its torch operands (``tensors``: their fields).
+
+    Whether one requires grad: in grad mode the call then goes through autograd (the torch
+    integration), which differentiates the functional merges and refuses to write into tensors
+    that require grad or from inputs that do. And which given tensors the launches write into:
+    their version counters are bumped after each run, as torch's own in-place and ``out=`` ops
+    do, so a backward that saved one of them before the merge overwrote it raises instead of
+    computing wrong gradients."""
+    grad = any(getattr(operands, field).requires_grad for field in tensors)
+    return grad, tuple(field for field in tensors if field in WRITTEN)
+
+
+def requiring_grad(operands: Operands) -> list[str]:
+    """The fields of the torch operands that require grad, written ones first (for messages)."""
+    fields = sorted(operands._fields, key=lambda field: field not in WRITTEN)
+    return [field for field in fields if getattr(getattr(operands, field), "requires_grad", False) is True]
 
 
 def plan_for(operation: Operation, options: Options, tuning: _tuning.Tuning, views: Operands) -> Planned:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from . import _arrays, _dispatch, _kernels, _tuning
 from ._arrays import Stream
+from ._operands import WRITTEN
 from .types import Bound
 
 #: The attribute under which a merge keeps its binder: ``binder(*args, **kwargs) -> bound merge``.
@@ -43,8 +44,10 @@ def _bind_operation(operation: _dispatch.Operation, signature: inspect.Signature
     options = operation.options(**{name: value for name, value in given.items() if name in accepted})
     prepared = _dispatch.prepare(operation, options, operands, _tuning.current())
     if prepared.grad and _dispatch.grad_enabled():
+        field = _dispatch.requiring_grad(operands)[0]
+        what = f"{getattr(operation.names, field)} requires grad" if field in WRITTEN else "an input requires grad"
         raise RuntimeError(
-            f"bind({operation.name}): an input requires grad, and a bound merge records no autograd graph; "
+            f"bind({operation.name}): {what}, and a bound merge records no autograd graph; "
             f"bind under torch.no_grad() or detached tensors, or call {operation.name} itself (differentiable)"
         )
     _dispatch.check_values(operation, prepared, operands)
@@ -82,7 +85,7 @@ class BoundMerge:
     <BoundMerge of cupy arrays on device 0: launches a prepared kernel>
     """
 
-    __slots__ = ("_adapter", "_call", "_device", "_guard", "_keep_alive", "_launches", "_result")
+    __slots__ = ("_adapter", "_call", "_device", "_guard", "_keep_alive", "_launches", "_result", "_written")
 
     def __init__(self, operation: _dispatch.Operation, prepared: _dispatch.Call, operands: Any):
         if prepared.adapter.kind == "jax":
@@ -106,6 +109,13 @@ class BoundMerge:
             else None
         )
         self._guard = _arrays.PointerGuard(tuple(bound), tuple(operation.names))
+        # Every launch writes the same tensors again, the outputs allocated here too (a caller may
+        # have saved one for backward): their version counters count each launch.
+        torch = _arrays.torch_module()
+        self._written = tuple(
+            array for field, array in zip(bound._fields, bound)
+            if field in WRITTEN and torch is not None and isinstance(array, torch.Tensor)
+        )  # fmt: skip
 
     def __call__(self, stream: Stream = None) -> Any:
         """Launch the merge again.
@@ -141,6 +151,8 @@ class BoundMerge:
             _dispatch.check_stream(stream_ptr, self._call)
         for launch in self._launches:
             _kernels.launch(launch, stream_ptr)
+        if self._written:
+            _arrays.TORCH.mark_written(self._written)
         return self._result
 
     def __repr__(self) -> str:

@@ -32,7 +32,7 @@ from . import backward as _backward
 from . import merge as _merge
 from . import merge_many as _merge_many
 from ._catalogue import FP8
-from ._operands import BackwardOperands, ManyStateOperands, TwoStateOperands
+from ._operands import WRITTEN, BackwardOperands, ManyStateOperands, TwoStateOperands
 
 __all__ = ["NAMESPACE", "SCHEMAS", "host_cost_table", "ops"]
 
@@ -393,6 +393,23 @@ def _writes_refused(operation: _dispatch.Operation) -> RuntimeError:
     )
 
 
+def _refuse_written_grad(operation: _dispatch.Operation, operands: Any) -> None:
+    """In grad mode, a merge into a given tensor that requires grad is refused, as torch's own
+    ``out=`` ops refuse it (under ``torch.no_grad()`` it writes)."""
+    if not sys.modules["torch"].is_grad_enabled():
+        return
+    for field in WRITTEN:
+        tensor = getattr(operands, field, None)
+        if tensor is not None and tensor.requires_grad:
+            name = getattr(operation.names, field)
+            raise RuntimeError(
+                f"{name}: requires grad, and {operation.name} writes into it; a merge into given tensors is not "
+                f"differentiable (as torch's out= ops are not): pass a tensor that does not require grad, "
+                f"leave it out (merge_state, merge_states and merge_states_varlen allocate their outputs), or "
+                f"merge under torch.no_grad()"
+            )
+
+
 def _refuse_writes_under_grad(operation: _dispatch.Operation, *inputs: Any) -> None:
     """A form that writes into its arguments refuses inputs that require grad in grad mode (under
     ``torch.no_grad()`` it runs, as the eager path does)."""
@@ -404,6 +421,7 @@ def _check(operation: _dispatch.Operation, options: Any, operands: Any) -> None:
     """Every shape rule of one call (``_dispatch.plan_specs`` without the launch plan), on the
     operands' sizes, with the eager path's messages. The address rules (overlaps) and the values'
     rules (``check_indptr``) run in the kernel."""
+    _refuse_written_grad(operation, operands)
     names = operation.names
     fields = operands._fields
     specs: dict[str, Any] = {}
@@ -612,6 +630,7 @@ def _compiled_call(operation: _dispatch.Operation, options: Any, operands: Any, 
         )
     if isinstance(operands, BackwardOperands):
         return _traced_backward(torch, operation, options, operands)
+    _refuse_written_grad(operation, operands)
     if operation.many:
         return _traced_many(torch, operation, options, operands)
     return _traced_two(torch, operation, options, operands)
@@ -722,6 +741,7 @@ def _autograd_call(operation: _dispatch.Operation, options: Any, operands: Any, 
             f"{operation.name}: an input requires grad in grad mode (backward(create_graph=True)?); "
             f"the merges' gradients are not differentiable again"
         )
+    _refuse_written_grad(operation, operands)
     if not operation.returns:
         raise _writes_refused(operation)
     _refuse_undifferentiable(operation, options, operands)

@@ -839,12 +839,11 @@ def test_autograd_falls_through_to_the_kernels():
 def eager_stand_in(monkeypatch):
     """``_dispatch.prepare``/``run`` as the stand-in: the dispatcher's hooks run as they do on a GPU."""
     from cupy_merge import _arrays, _dispatch
-    from cupy_merge._operands import WRITTEN
 
     def prepare(operation, options, operands, tuning):
-        grad = any(getattr(getattr(operands, field), "requires_grad", False) for field in operands._fields
-                   if field not in WRITTEN)  # fmt: skip
-        return _dispatch.Call((options,), _arrays.TORCH, -1, (), None, grad)  # the options ride along
+        tensors = [field for field in operands._fields if isinstance(getattr(operands, field), torch.Tensor)]
+        grad, written = _dispatch.autograd_facts(operands, tensors)
+        return _dispatch.Call((options,), _arrays.TORCH, -1, (), None, grad, written)  # the options ride along
 
     def run(operation, prepared, o, stream):
         ran.append(operation.name)
@@ -958,3 +957,104 @@ def test_eager_second_derivatives_are_refused(eager_stand_in):
     with torch.no_grad():
         v, _ = cm.merge_state(v_a, s_a, v_b, s_b)
     assert not v.requires_grad
+
+
+# -- writes into given tensors: autograd's version counters, outputs that require grad (issue 47) --------
+
+
+def _writes(target_shape):
+    """Each way a merge writes into a caller's tensor ``target`` (of ``target_shape``'s kind)."""
+    two = host_states()
+    stack = [torch.randn(3, T, H, D), torch.randn(3, H, T)]
+    ragged = [torch.randn(10, H, D), torch.randn(H, 10), torch.tensor([0, 3] + [4] * (T - 2) + [10])]
+    values = {
+        "merge_attn_states output": lambda t: cm.merge_attn_states(t, *two),
+        "merge_attn_states output_lse": lambda t: cm.merge_attn_states(torch.empty(T, H, D), *two, t),
+        "merge_state_in_place v": lambda t: cm.merge_state_in_place(t, two[1], two[2], two[3]),
+        "merge_state_in_place s": lambda t: cm.merge_state_in_place(two[0], t, two[2], two[3]),
+        "merge_state out": lambda t: cm.merge_state(*two, out=t),
+        "merge_state out_lse": lambda t: cm.merge_state(*two, out_lse=t),
+        "merge_states out": lambda t: cm.merge_states(*stack, out=t),
+        "merge_states_varlen out_lse": lambda t: cm.merge_states_varlen(*ragged, out_lse=t, check_indptr=False),
+    }
+    return values
+
+
+WRITE_CASES = list(_writes(None))
+
+
+def _target(case):
+    return torch.randn(H, T) if case.endswith(("lse", " s")) else torch.randn(T, H, D)
+
+
+@pytest.mark.parametrize("case", WRITE_CASES)
+def test_eager_writes_into_a_tensor_saved_for_backward_make_backward_raise(eager_stand_in, case):
+    """A merge's write counts as an in-place modification: a backward that saved the tensor before
+    the merge overwrote it raises, as after torch's own in-place ops, instead of using new values."""
+    target = _target(case)
+    weight = torch.randn(target.shape, requires_grad=True)
+    loss = (weight * target).sum()  # saves target for weight's gradient
+    version = target._version
+    _writes(target.shape)[case](target)
+    assert target._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("case", WRITE_CASES)
+def test_eager_outputs_that_require_grad_are_refused_in_grad_mode_and_written_under_no_grad(eager_stand_in, case):
+    target = _target(case).requires_grad_()
+    name = case.split()[-1]
+    with pytest.raises(RuntimeError, match=rf"^{name}: requires grad, and {case.split()[0]} writes into it"):
+        _writes(target.shape)[case](target)
+    assert eager_stand_in == []
+    with torch.no_grad():
+        _writes(target.shape)[case](target)
+    assert eager_stand_in == [case.split()[0]]
+
+
+def test_outputs_that_require_grad_are_refused_under_compile_and_in_the_fakes():
+    with FakeTensorMode():
+        out = torch.empty(T, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        states = fake_states()
+        with pytest.raises(Exception, match=r"output: requires grad, and merge_attn_states writes into it"):
+            captured(lambda o, *a: cm.merge_attn_states(o, *a), out, *states)
+        with pytest.raises(Exception, match=r"out: requires grad, and merge_state writes into it"):
+            captured(lambda o, *a: cm.merge_state(*a, out=o), out, *states)
+        with pytest.raises(RuntimeError, match=r"^out: requires grad, and merge_state writes into it"):
+            OPS.merge_state_out(out, torch.empty(H, T, device="cuda"), *states)
+        with torch.no_grad():
+            OPS.merge_state_out(out, torch.empty(H, T, device="cuda"), *states)
+
+
+def test_a_bound_merge_counts_each_launch_as_a_write_and_refuses_outputs_that_require_grad(monkeypatch):
+    from cupy_merge import _arrays, _dispatch, _kernels
+
+    class HostTorch(_arrays.TorchAdapter):
+        def current_stream(self, device):
+            return 0
+
+    def prepare(operation, options, operands, tuning):
+        tensors = [field for field in operands._fields if isinstance(getattr(operands, field), torch.Tensor)]
+        fresh = () if operation.name != "merge_state" else tuple(
+            (_dispatch.FreshOutput(field, shape, "float32"), ()) for field, shape in (("out", (T, H, D)), ("out_lse", (H, T)))
+        )  # fmt: skip
+        return _dispatch.Call((), HostTorch(), _arrays.HOST, fresh, None, *_dispatch.autograd_facts(operands, tensors))
+
+    monkeypatch.setattr(_dispatch, "prepare", prepare)
+    monkeypatch.setattr(_kernels, "launch", lambda *args: pytest.fail("launched"))
+    output, lse = torch.randn(T, H, D), torch.randn(H, T)
+    two = host_states()
+    bound = cm.bind(cm.merge_attn_states, output, *two, lse)
+    weight = torch.randn(H, T, requires_grad=True)
+    loss = (weight * lse).sum()
+    bound()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    again = cm.bind(cm.merge_state, *two)
+    merged, merged_lse = again()  # outputs the bound merge allocated count too
+    version = merged._version, merged_lse._version
+    again()
+    assert merged._version > version[0] and merged_lse._version > version[1]
+    with pytest.raises(RuntimeError, match=r"^bind\(merge_attn_states\): output requires grad, and a bound merge"):
+        cm.bind(cm.merge_attn_states, output.requires_grad_(), *two)
