@@ -60,8 +60,11 @@ def test_the_offsets_host_check_waits_for_their_producer_on_the_merges_stream(rn
             offsets = _poisoned_offsets(indptr)
             got_v, got_s = cm.merge_states_varlen(v, s, offsets, check_indptr=True)
         torch.cuda.synchronize()
+        got_s = got_s.cpu().double().numpy()
+        empty = np.isneginf(want_s)  # the token of no rows
+        assert (got_s[empty] == want_s[empty]).all()
         assert relative_error(got_v.cpu().double().numpy(), want_v) <= 1e-5
-        assert relative_error(got_s.cpu().double().numpy(), want_s) <= 1e-6
+        assert relative_error(got_s[~empty], want_s[~empty]) <= 1e-6
 
 
 def test_writes_into_given_tensors_bump_their_version_and_outputs_that_require_grad_are_refused(rng):
