@@ -123,6 +123,11 @@ def merge_across_ranks(
 
     Raises
     ------
+    RuntimeError
+        A torch input (``v``, ``s`` or ``sinks``) requires grad in grad mode: the
+        collectives are not differentiable, so the merge records no autograd graph
+        and would lose the gradient; refused before any collective, naming the
+        argument. Under ``torch.no_grad()`` (or with detached inputs) it runs.
     TypeError
         An argument of the wrong kind or dtype; before any collective.
     ValueError
