@@ -20,6 +20,11 @@ from . import _steps
 from ._collectives import CupyNccl, TorchGroup
 from ._cost import FULL_HEAD_STRATEGIES, SHARDED_STRATEGIES, choose_strategy
 
+#: The strategies that add the values over ranks in their own dtype (the communicator must sum it),
+#: and the exchanging strategy of each layout (by ``shard_heads``), which moves them as bytes.
+SUMMING = ("allreduce", "allgather_reducescatter")
+EXCHANGING = {False: "allgather", True: "alltoall"}
+
 
 class RankCall(NamedTuple):
     """A checked cross-rank merge: its communicator, array kind, arrays, strategy and stream."""
@@ -83,6 +88,14 @@ def resolve(
             comm.world_size, state.head_size, specs.v.itemsize, shard_heads=shard_heads,
             rows=state.num_tokens * state.num_heads,
         )  # fmt: skip
+        if op in SUMMING and not comm.sums(state.dtype):
+            op = EXCHANGING[shard_heads]
+    elif op in SUMMING and not comm.sums(state.dtype):
+        raise TypeError(
+            f"v: op={op!r} sums {state.dtype} values, and this CuPy's NCCL has no {state.dtype} "
+            f"(cupy.cuda.nccl.NCCL_BFLOAT16: NCCL 2.10 or newer); use op={EXCHANGING[shard_heads]!r}, "
+            f"which moves the values as bytes, or op='auto'"
+        )
     shards = comm.world_size if shard_heads else 1
     return RankCall(comm, adapter, arrays, views, op, shards, heads, lse_base_2, stream_ptr, state)
 
