@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from typing import Any, NamedTuple
@@ -555,6 +556,20 @@ def test_flash_attn_accepts_and_ignores_the_batch_descriptions(core):
     assert close(out, want_v) and close(lse, want_s)
 
 
+
+def test_flash_attn_takes_fa4_betas_older_name_for_the_batch_index(core):
+    """FlashAttention 4 up to fa4-v4.0.0.beta24 (849f660f) called virtual_batch_idx varlen_batch_idx."""
+    out_partial = randn(2, 3, 4, 2, 8)
+    lse_partial = randn(2, 3, 2, 4).transpose(-1, -2)
+    index = torch.tensor([2, 0, 1], dtype=torch.int32)
+    out, lse = flash_attn.flash_attn_combine(out_partial, lse_partial, varlen_batch_idx=index)
+    want_v, want_s = fa_combine(f64(out_partial), f64(lse_partial))
+    assert close(out, want_v) and close(lse, want_s)
+    with pytest.raises(ValueError, match=r"^varlen_batch_idx: expected shape \[batch_size\] = \(3,\)"):
+        flash_attn.flash_attn_combine(out_partial, lse_partial, varlen_batch_idx=index[:2])
+    with pytest.raises(TypeError, match="^varlen_batch_idx: FlashAttention 4's older name of virtual_batch_idx"):
+        flash_attn.flash_attn_combine(out_partial, lse_partial, None, None, None, None, index, varlen_batch_idx=index)
+
 # -- argument checks in the peers' words (before the core is reached) -------------------------------
 
 
@@ -717,3 +732,41 @@ def test_every_compat_function_has_a_valid_numpydoc_docstring_naming_its_peer(na
     assert "Examples" in doc and "doctest: +SKIP" in doc
     peer = name.split(".")[2]
     assert {"flashinfer": "FlashInfer", "sglang": "SGLang", "flash_attn": "FlashAttention"}[peer] in doc
+
+
+# -- the peers' signatures ---------------------------------------------------------------------------
+
+_REQUIRED = inspect.Parameter.empty
+
+# Each peer's parameters, in order, with their defaults, as read in its source (the drop-in may add
+# keyword-only parameters of its own, never positional ones):
+PEER_SIGNATURES = {
+    # Dao-AILab/flash-attention flash_attn/cute/interface.py, flash_attn_combine, at 0251105a2fb1
+    # (main, 2026-08-15, = tag fa4-v4.0.0.beta27); its first four are FA3's (hopper/flash_attn_interface.py).
+    flash_attn.flash_attn_combine: [
+        ("out_partial", _REQUIRED), ("lse_partial", _REQUIRED), ("out", None), ("out_dtype", None),
+        ("cu_seqlens", None), ("seqused", None), ("virtual_batch_idx", None), ("return_lse", True),
+    ],
+    # flashinfer-ai/flashinfer flashinfer/cascade.py at fb28d7242b35 (main, 2026-08-22).
+    flashinfer.merge_state: [("v_a", _REQUIRED), ("s_a", _REQUIRED), ("v_b", _REQUIRED), ("s_b", _REQUIRED)],
+    flashinfer.merge_state_in_place: [
+        ("v", _REQUIRED), ("s", _REQUIRED), ("v_other", _REQUIRED), ("s_other", _REQUIRED), ("mask", None),
+    ],
+    flashinfer.merge_states: [("v", _REQUIRED), ("s", _REQUIRED)],
+    # flashinfer/triton/cascade.py at the same commit (the only variable_length_merge_states).
+    flashinfer.variable_length_merge_states: [("v", _REQUIRED), ("s", _REQUIRED), ("indptr", _REQUIRED)],
+    # sgl-project/sglang sgl-kernel/python/sgl_kernel/attention.py, merge_state_v2, in every stored
+    # version that defines it (as also sglang.srt.layers.attention.merge_state calls it, c3855c54e27b).
+    sglang.merge_state_v2: [
+        ("v_a", _REQUIRED), ("s_a", _REQUIRED), ("v_b", _REQUIRED), ("s_b", _REQUIRED),
+        ("v_merged", None), ("s_merged", None),
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("function", PEER_SIGNATURES, ids=lambda function: function.__qualname__)
+def test_every_drop_in_takes_its_peers_parameters_names_positions_and_defaults(function):
+    parameters = list(inspect.signature(function).parameters.values())
+    positional = [p for p in parameters if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    assert [(p.name, p.default) for p in positional] == PEER_SIGNATURES[function]
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in positional)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import queue as queue_module
 import socket
@@ -155,3 +156,96 @@ def test_bad_shapes_raise_before_any_collective_in_a_group():
 
     init = f"tcp://127.0.0.1:{_free_port()}"
     _run_ranks(run_bad_inputs_rank, 2, lambda rank: (rank, 2, init))
+
+
+class _StubNccl:
+    """Stands in for a ``cupy.cuda.nccl.NcclCommunicator``: records every collective it is asked for."""
+
+    def __init__(self, world: int, events: list):
+        self._world, self.events = world, events
+
+    def size(self) -> int:
+        return self._world
+
+    def rank_id(self) -> int:
+        return 0
+
+    def __getattr__(self, name):
+        if name in ("allGather", "allReduce", "reduceScatter", "send", "recv"):
+            return lambda *args: self.events.append(name)
+        raise AttributeError(name)
+
+
+@pytest.fixture
+def cupy_without_a_gpu(monkeypatch):
+    """CuPy arrays at fake addresses, allocations and rank kernels recorded instead of made: a
+    CuPy cross-rank merge runs up to its collectives on a machine with no GPU."""
+    cupy = pytest.importorskip("cupy")
+    memory = pytest.importorskip("cupy.cuda.memory")
+    from cupy_merge import _arrays
+    from cupy_merge.distributed import _collectives, _steps
+
+    events: list[str] = []
+    addresses = iter(range(1 << 40, 1 << 41, 1 << 24))
+
+    def fake(shape, dtype, *_args, **_kwargs):
+        dtype = _arrays.cupy_dtype(dtype)
+        size = max(1, math.prod(shape)) * dtype.itemsize
+        block = memory.UnownedMemory(next(addresses), size, owner=None, device_id=0)
+        return cupy.ndarray(shape, dtype, memptr=memory.MemoryPointer(block, 0))
+
+    def allocate(*args, **kwargs):
+        events.append("allocation")
+        return fake(*args, **kwargs)
+
+    monkeypatch.setattr(_arrays.CUPY, "empty", allocate)
+    monkeypatch.setattr(_collectives.CupyNccl, "_stream_ptr", lambda self: 0)
+    nccl = pytest.importorskip("cupy.cuda.nccl")
+    for number, name in enumerate(("NCCL_UINT8", "NCCL_FLOAT16", "NCCL_FLOAT32", "NCCL_SUM")):
+        if not hasattr(nccl, name):  # a CuPy whose NCCL library is not loaded lacks its constants
+            monkeypatch.setattr(nccl, name, number, raising=False)
+    for name in ("scale_for_sum", "pack_states", "launch"):
+        monkeypatch.setattr(_steps, name, lambda *args, _name=name, **kwargs: events.append(_name))
+    return fake, events
+
+
+@pytest.mark.parametrize("shard_heads, op", [(False, "allreduce"), (True, "allgather_reducescatter")])
+def test_bfloat16_sums_without_nccl_bfloat16_are_refused_before_any_launch_or_collective(
+    cupy_without_a_gpu, monkeypatch, shard_heads, op
+):
+    """The summing strategies add the values in their own dtype: a NCCL without bfloat16 must be
+    found out with the other arguments, not in the collective after the LSE gather and the scaling
+    kernel (which writes a contiguous ``out`` in place)."""
+    import cupy.cuda.nccl
+
+    import cupy_merge as cm
+
+    monkeypatch.delattr(cupy.cuda.nccl, "NCCL_BFLOAT16", raising=False)  # the probe: a NCCL before 2.10
+    fake, events = cupy_without_a_gpu
+    v, s, out = fake((3, 4, 8), "bfloat16"), fake((4, 3), "float32"), fake((3, 4, 8), "bfloat16")
+    comm = _StubNccl(2, events)
+    message = rf"^v: op='{op}' sums bfloat16 values, and this CuPy's NCCL has no bfloat16"
+    with pytest.raises(TypeError) as eager:
+        cmd.merge_across_ranks(v, s, comm, op=op, shard_heads=shard_heads, out=None if shard_heads else out)
+    assert events == []  # no buffer, no kernel, no collective before the refusal
+    with pytest.raises(TypeError) as bound:
+        cm.bind(cmd.merge_across_ranks, v, s, comm, op=op, shard_heads=shard_heads)
+    assert events == []
+    eager.match(message)
+    bound.match(message)
+
+
+def test_auto_exchanges_bfloat16_where_nccl_cannot_sum_it(cupy_without_a_gpu, monkeypatch):
+    import cupy.cuda.nccl
+
+    from cupy_merge.distributed import _strategies
+
+    fake, events = cupy_without_a_gpu
+    v, s = fake((4096, 32, 128), "bfloat16"), fake((32, 4096), "float32")
+    comm = _StubNccl(8, events)
+    assert cmd.choose_strategy(8, 128, 2, rows=4096 * 32) == "allreduce"
+    monkeypatch.setattr(cupy.cuda.nccl, "NCCL_BFLOAT16", 9, raising=False)
+    assert _strategies.resolve(v, s, comm, "auto", False, None, None, "e", None, None).op == "allreduce"
+    monkeypatch.delattr(cupy.cuda.nccl, "NCCL_BFLOAT16")
+    assert _strategies.resolve(v, s, comm, "auto", False, None, None, "e", None, None).op == "allgather"
+    assert events == []

@@ -99,6 +99,42 @@ def test_a_sparse_tensor_is_refused_naming_the_argument(group):
         merge_across_ranks(v, s.to_sparse())
 
 
+
+@pytest.mark.parametrize("shard_heads, op", MODES)
+@pytest.mark.parametrize("argument", ["v", "s", "sinks"])
+def test_an_input_that_requires_grad_is_refused_in_grad_mode_before_any_collective(
+    group, monkeypatch, shard_heads, op, argument
+):
+    """The collectives record no autograd graph: a merge of inputs that require grad would
+    return results whose gradients are silently lost (or, on gloo, only this rank's share)."""
+    arrays = {"v": torch.ones(3, 4, 8, device=group), "s": torch.zeros(4, 3, device=group),
+              "sinks": torch.zeros(4, device=group)}  # fmt: skip
+    arrays[argument].requires_grad_()
+    out = torch.full((3, 4, 8), float("nan"), device=group)
+    collectives = []
+    for name in ("all_gather", "all_gather_into_tensor", "all_to_all_single", "all_reduce", "reduce_scatter_tensor",
+                 "reduce_scatter_single"):  # fmt: skip
+        if hasattr(dist, name):
+            monkeypatch.setattr(dist, name, lambda *args, _name=name, **kwargs: collectives.append(_name))
+    with pytest.raises(RuntimeError, match=f"^merge_across_ranks: {argument} requires grad, and a merge across ranks"):
+        merge_across_ranks(**arrays, op=op, shard_heads=shard_heads, out=out)
+    with pytest.raises(RuntimeError, match=rf"^bind\(merge_across_ranks\): {argument} requires grad, and a bound"):
+        cm.bind(merge_across_ranks, **arrays, op=op, shard_heads=shard_heads)
+    assert collectives == [] and torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("shard_heads, op", MODES)
+def test_inputs_that_require_grad_merge_under_no_grad_eagerly_and_bound(group, shard_heads, op):
+    v, s = torch.ones(3, 4, 8, device=group, requires_grad=True), torch.zeros(4, 3, device=group)
+    with torch.no_grad():
+        out, lse = merge_across_ranks(v, s, op=op, shard_heads=shard_heads)
+        bound = cm.bind(merge_across_ranks, v, s, op=op, shard_heads=shard_heads)
+    assert torch.equal(out, v.detach()) and torch.equal(lse, s) and out.grad_fn is None
+    # Launched in grad mode, the bound merge still records nothing, on the CPU as on the GPU.
+    bound_out, bound_lse = bound()
+    assert torch.equal(bound_out, v.detach()) and not bound_out.requires_grad and not bound_lse.requires_grad
+
+
 @pytest.mark.gpu
 def test_a_summed_output_at_an_address_not_16_byte_aligned_is_written_by_narrow_stores(group, rng):
     v, s = _state(rng, 7, 4, 64, group, torch.bfloat16)

@@ -75,6 +75,7 @@ def flash_attn_combine(
     virtual_batch_idx: Array | None = None,
     return_lse: bool = True,
     *,
+    varlen_batch_idx: Array | None = None,
     num_splits_dynamic_ptr: Array | None = None,
     semaphore_to_reset: Array | None = None,
     stream: Stream = None,
@@ -113,6 +114,10 @@ def flash_attn_combine(
         reads and writes through it, so the result is the combine of every batch element.
     return_lse : bool
         Whether to return the combined LSE (it is computed either way).
+    varlen_batch_idx : torch.Tensor or cupy.ndarray, optional
+        ``virtual_batch_idx`` by the name FlashAttention 4 gave it up to ``fa4-v4.0.0.beta24``
+        (keyword only, as those callers pass it; it stood where ``virtual_batch_idx`` stands):
+        checked and ignored alike. Giving both is a ``TypeError``.
     num_splits_dynamic_ptr : torch.Tensor or cupy.ndarray, optional
         FlashAttention 4's private per-batch split counts (``_flash_attn_fwd_combine``): refused
         with ``NotImplementedError`` (honouring them would read the device array on the host).
@@ -190,6 +195,14 @@ def flash_attn_combine(
         raise NotImplementedError(
             "semaphore_to_reset: cupy-merge launches no extra kernel to zero it; zero it yourself after the call"
         )
+    batch_index = (virtual_batch_idx, "virtual_batch_idx")
+    if varlen_batch_idx is not None:
+        if virtual_batch_idx is not None:
+            raise TypeError(
+                "varlen_batch_idx: FlashAttention 4's older name of virtual_batch_idx (up to fa4-v4.0.0.beta24); "
+                "give one of them, not both"
+            )
+        batch_index = (varlen_batch_idx, "varlen_batch_idx")
     out_partial, adapter = take(out_partial, "out_partial")
     shape = shape_of(out_partial)
     if len(shape) not in (4, 5):
@@ -206,7 +219,7 @@ def flash_attn_combine(
         lse_partial, "lse_partial", shape[:-1], lse_layout, "out_partial", LSE_CONVENTION, castable=False,
         swapped_hint=SWAPPED,
     )  # fmt: skip
-    _check_batch_arrays(cu_seqlens, seqused, virtual_batch_idx, varlen, shape)
+    _check_batch_arrays(cu_seqlens, seqused, batch_index, varlen, shape)
     expect_flag(return_lse, "return_lse")
     out_shape = shape[1:]
     if out is None:
@@ -268,9 +281,10 @@ def _combine_batched(values: Any, lses: Any, out: Any, lse_store: Any, stream: S
 
 
 def _check_batch_arrays(
-    cu_seqlens: Any, seqused: Any, virtual_batch_idx: Any, varlen: bool, shape: tuple[int, ...]
+    cu_seqlens: Any, seqused: Any, batch_index: tuple[Any, str], varlen: bool, shape: tuple[int, ...]
 ) -> None:
-    """The int32 batch descriptions FlashAttention takes, checked against the layout (none is read)."""
+    """The int32 batch descriptions FlashAttention takes, checked against the layout (none is read);
+    ``batch_index``: the batch index array and the name it was given by."""
     if cu_seqlens is not None:
         if not varlen:
             raise ValueError(
@@ -289,7 +303,7 @@ def _check_batch_arrays(
         batch_size, source = None, ""
     else:
         batch_size, source = shape[1], "out_partial"
-    for array, name in ((seqused, "seqused"), (virtual_batch_idx, "virtual_batch_idx")):
+    for array, name in ((seqused, "seqused"), batch_index):
         if array is None:
             continue
         if batch_size is None:

@@ -12,7 +12,7 @@ SGLang has three functions called "merge_state", and their LSE bases differ:
 * ``sgl_kernel.merge_state_v2(v_a, s_a, v_b, s_b, v_merged=None, s_merged=None)``: natural
   log. Use :func:`merge_state_v2`.
 * ``sglang.srt.layers.attention.merge_state.merge_state(prefix_output, prefix_lse,
-  suffix_output, suffix_lse, output=None, output_lse=None[, enable_pdl])``, the dispatcher over
+  suffix_output, suffix_lse, output=None, output_lse=None)``, the dispatcher over
   ``merge_state_v2`` and a Triton kernel: natural log, the same arguments in the same places.
   Use :func:`merge_state_v2`.
 * ``sgl_kernel.merge_state(v_a, s_a, v_b, s_b, v_merged=None, s_merged=None)`` ("v1", FlashInfer's
@@ -58,8 +58,8 @@ def merge_state_v2(
     s_b: Array,
     v_merged: Array | None = None,
     s_merged: Array | None = None,
-    enable_pdl: bool | None = None,
     *,
+    enable_pdl: bool | None = None,
     lse_base: LseBase = "e",
     stream: Stream = None,
 ) -> tuple[Array, Array]:
@@ -90,9 +90,10 @@ def merge_state_v2(
         ``[seq_len, num_heads]`` float32 to write the merged LSE into; may be ``s_a`` or ``s_b``
         itself (safe here; racy in SGLang's kernel). Allocated if omitted.
     enable_pdl : bool, optional
-        Accepted and ignored: SGLang's switch for programmatic dependent launch (overlapping a
-        kernel's start with the previous kernel's end on Hopper), a scheduling choice that does
-        not change the result. cupy-merge's kernels launch without it.
+        Keyword only, accepted and ignored: a switch for programmatic dependent launch
+        (overlapping a kernel's start with the previous kernel's end on Hopper), a scheduling
+        choice that does not change the result; cupy-merge's kernels launch without it.
+        ``sgl_kernel.merge_state_v2`` itself takes no such argument.
     lse_base : {"e", 2}
         cupy-merge's extension: 2 for the base-2 LSEs of ``sgl_kernel.merge_state`` (v1,
         FlashInfer's kernel), which takes the same arguments.

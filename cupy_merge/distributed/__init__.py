@@ -123,8 +123,15 @@ def merge_across_ranks(
 
     Raises
     ------
+    RuntimeError
+        A torch input (``v``, ``s`` or ``sinks``) requires grad in grad mode: the
+        collectives are not differentiable, so the merge records no autograd graph
+        and would lose the gradient; refused before any collective, naming the
+        argument. Under ``torch.no_grad()`` (or with detached inputs) it runs.
     TypeError
-        An argument of the wrong kind or dtype; before any collective.
+        An argument of the wrong kind or dtype, or a summing ``op`` for bfloat16
+        values on a CuPy NCCL without bfloat16 (``cupy.cuda.nccl.NCCL_BFLOAT16``;
+        ``"auto"`` then exchanges them instead); before any allocation, kernel or collective.
     ValueError
         An unknown strategy or one of the other layout, heads that do not
         divide among the ranks, outputs of the wrong shape or sharing memory,

@@ -30,7 +30,9 @@ class BoundAcrossRanks:
     changed since is refused with ``RuntimeError`` before anything runs. Every
     rank must launch its bound merge alike, in the same order as its other
     collectives. CPU tensors (gloo) are merged by ``merge_across_ranks`` itself at
-    each launch, into the same outputs.
+    each launch, into the same outputs. Like the core's bound merges it records no
+    autograd graph: binding inputs that require grad in grad mode raises ``RuntimeError``
+    (bind under ``torch.no_grad()``), and no launch makes its outputs require grad.
 
     Parameters
     ----------
@@ -176,9 +178,13 @@ def bind(
     sinks: Any = None,
 ) -> BoundAcrossRanks:
     """``merge_across_ranks``'s arguments, checked and prepared once (what ``cupy_merge.bind`` calls)."""
-    call = _strategies.resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, None)
+    call = _strategies.resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, None, bound=True)
 
     def rerun(out: Any, out_lse: Any) -> None:
-        _strategies.run(_strategies.resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, None))
+        import torch
+
+        # A launch records no autograd graph on the CPU either, as the GPU's kernels do not.
+        with torch.no_grad():
+            _strategies.run(_strategies.resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, None))
 
     return BoundAcrossRanks(call, rerun)

@@ -38,6 +38,10 @@ class TorchGroup:
     def all_to_all(self, out: Any, tensor: Any) -> None:
         self._dist.all_to_all_single(out, tensor, group=self._group)
 
+    def sums(self, dtype: str) -> bool:
+        """Whether ``all_reduce`` and ``reduce_scatter`` take values of ``dtype`` (torch's NCCL and gloo take every one)."""
+        return True
+
     def all_reduce(self, tensor: Any) -> None:
         self._dist.all_reduce(tensor, group=self._group)
 
@@ -70,16 +74,20 @@ class CupyNccl:
 
         return self._stream if self._stream is not None else cupy.cuda.get_current_stream().ptr
 
-    def _type(self, array: Any) -> int:
+    def _types(self) -> dict[str, int]:
         nccl = self._nccl
         types = {"float32": nccl.NCCL_FLOAT32, "float16": nccl.NCCL_FLOAT16, "uint8": nccl.NCCL_UINT8}
-        if hasattr(nccl, "NCCL_BFLOAT16"):
+        if hasattr(nccl, "NCCL_BFLOAT16"):  # NCCL 2.10 and newer, and a CuPy that knows it
             types["bfloat16"] = nccl.NCCL_BFLOAT16
-        if array.dtype.name not in types:
-            raise TypeError(
-                f"v: this CuPy's NCCL cannot sum {array.dtype.name}; use op='allgather' or 'alltoall'"
-            )
-        return types[array.dtype.name]
+        return types
+
+    def sums(self, dtype: str) -> bool:
+        """Whether ``all_reduce`` and ``reduce_scatter`` take values of ``dtype`` (checked with the
+        arguments, before anything runs: a sum is the last step of its strategy)."""
+        return dtype in self._types()
+
+    def _type(self, array: Any) -> int:
+        return self._types()[array.dtype.name]
 
     def all_gather(self, out: Any, array: Any) -> None:
         self._comm.allGather(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .. import _arrays, _checks, _kernels
+from .. import _arrays, _checks, _dispatch, _kernels
 from .._arrays import HOST, ArrayView
 from .._checks import RANK_NAMES, StateShape
 from .._operands import RankOperands
@@ -19,6 +19,11 @@ from ..merge_many import merge_states
 from . import _steps
 from ._collectives import CupyNccl, TorchGroup
 from ._cost import FULL_HEAD_STRATEGIES, SHARDED_STRATEGIES, choose_strategy
+
+#: The strategies that add the values over ranks in their own dtype (the communicator must sum it),
+#: and the exchanging strategy of each layout (by ``shard_heads``), which moves them as bytes.
+SUMMING = ("allreduce", "allgather_reducescatter")
+EXCHANGING = {False: "allgather", True: "alltoall"}
 
 
 class RankCall(NamedTuple):
@@ -45,9 +50,11 @@ class RankCall(NamedTuple):
 
 
 def resolve(
-    v: Any, s: Any, group: Any, op: Any, shard_heads: Any, out: Any, out_lse: Any, lse_base: Any, sinks: Any, stream: Any
+    v: Any, s: Any, group: Any, op: Any, shard_heads: Any, out: Any, out_lse: Any, lse_base: Any, sinks: Any, stream: Any,
+    *, bound: bool = False,
 ) -> RankCall:  # fmt: skip
-    """Every check of ``merge_across_ranks``, before any collective; ``"auto"`` resolved."""
+    """Every check of ``merge_across_ranks`` (``bound``: of ``cupy_merge.bind`` of it), before any
+    collective; ``"auto"`` resolved."""
     shard_heads = _checks.flag(shard_heads, "shard_heads")
     allowed = SHARDED_STRATEGIES if shard_heads else FULL_HEAD_STRATEGIES
     if op != "auto" and op not in allowed:
@@ -74,13 +81,42 @@ def resolve(
     comm = TorchGroup(group) if adapter is _arrays.TORCH else CupyNccl(group, None)
     state, heads = _checks.check_rank(specs, RANK_NAMES, comm.world_size, shard_heads)
     _checks.check_rank_addresses(RankOperands(**{f: views.get(f) for f in arrays._fields}), RANK_NAMES)
+    if adapter is _arrays.TORCH:
+        _refuse_grad(arrays, bound)
     if op == "auto":
         op = choose_strategy(
             comm.world_size, state.head_size, specs.v.itemsize, shard_heads=shard_heads,
             rows=state.num_tokens * state.num_heads,
         )  # fmt: skip
+        if op in SUMMING and not comm.sums(state.dtype):
+            op = EXCHANGING[shard_heads]
+    elif op in SUMMING and not comm.sums(state.dtype):
+        raise TypeError(
+            f"v: op={op!r} sums {state.dtype} values, and this CuPy's NCCL has no {state.dtype} "
+            f"(cupy.cuda.nccl.NCCL_BFLOAT16: NCCL 2.10 or newer); use op={EXCHANGING[shard_heads]!r}, "
+            f"which moves the values as bytes, or op='auto'"
+        )
     shards = comm.world_size if shard_heads else 1
     return RankCall(comm, adapter, arrays, views, op, shards, heads, lse_base_2, stream_ptr, state)
+
+
+def _refuse_grad(arrays: RankOperands, bound: bool) -> None:
+    """The core's rule for merges that record no autograd graph: an input that requires grad is
+    refused in grad mode (the collectives are not differentiable, so its gradient would be lost)."""
+    if not _dispatch.grad_enabled():
+        return
+    for field in ("v", "s", "sinks"):
+        if getattr(getattr(arrays, field), "requires_grad", False):
+            name = getattr(RANK_NAMES, field)
+            if bound:
+                raise RuntimeError(
+                    f"bind(merge_across_ranks): {name} requires grad, and a bound merge records no autograd graph; "
+                    f"bind under torch.no_grad() or pass {name}.detach()"
+                )
+            raise RuntimeError(
+                f"merge_across_ranks: {name} requires grad, and a merge across ranks records no autograd graph "
+                f"(its collectives are not differentiable); call it under torch.no_grad() or pass {name}.detach()"
+            )
 
 
 def _kind(obj: Any, name: str = "v") -> _arrays.Adapter:
