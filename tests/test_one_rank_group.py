@@ -177,6 +177,30 @@ def test_a_cupy_merge_takes_a_raw_int_stream(rng, shard_heads, op):
     np.testing.assert_allclose(cupy.asnumpy(lse), cupy.asnumpy(s), rtol=1e-6)
 
 
+@pytest.mark.parametrize("shard_heads, op", MODES)
+def test_writes_into_given_outputs_bump_their_versions_and_outputs_that_require_grad_are_refused(
+    group, rng, shard_heads, op
+):
+    """As the core merges: a backward that saved ``out`` before a cross-rank merge overwrote it
+    raises, eager and bound; an ``out`` that requires grad is refused in grad mode."""
+    v, s = _state(rng, 3, 4, 8, group)
+    out, out_lse = torch.randn(3, 4, 8, device=group), torch.randn(4, 3, device=group)
+    weight = torch.randn(3, 4, 8, device=group, requires_grad=True)
+    loss = (weight * out).sum()
+    merge_across_ranks(v, s, op=op, shard_heads=shard_heads, out=out, out_lse=out_lse)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    bound = cm.bind(merge_across_ranks, v, s, op=op, shard_heads=shard_heads, out=out, out_lse=out_lse)
+    loss = (torch.randn(4, 3, device=group, requires_grad=True) * out_lse).sum()
+    bound()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="^out: requires grad, and merge_across_ranks writes into it"):
+        merge_across_ranks(v, s, op=op, shard_heads=shard_heads, out=out.requires_grad_())
+    with torch.no_grad():
+        merge_across_ranks(v, s, op=op, shard_heads=shard_heads, out=out)
+
+
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings
 from hypothesis import strategies as st

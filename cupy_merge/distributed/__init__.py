@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import _arrays
 from .._arrays import Stream
 from ..bound import BINDER
 from ..types import Array, LseBase, Strategy
@@ -155,7 +156,11 @@ def merge_across_ranks(
     """
     call = _strategies.resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, stream)
     with call.scope():
-        return _strategies.run(call)
+        result = _strategies.run(call)
+    written = tuple(array for array in (out, out_lse) if array is not None)
+    if written and call.adapter is _arrays.TORCH:
+        _arrays.TORCH.mark_written(written)  # autograd's version counters, as the core merges keep them
+    return result
 
 
 setattr(merge_across_ranks, BINDER, _bound.bind)

@@ -105,6 +105,13 @@ def _refuse_grad(arrays: RankOperands, bound: bool) -> None:
     refused in grad mode (the collectives are not differentiable, so its gradient would be lost)."""
     if not _dispatch.grad_enabled():
         return
+    for field in ("out", "out_lse"):  # written: refused as the core merges refuse them
+        if getattr(getattr(arrays, field), "requires_grad", False):
+            raise RuntimeError(
+                f"{getattr(RANK_NAMES, field)}: requires grad, and merge_across_ranks writes into it; a merge into "
+                f"given tensors is not differentiable: pass a tensor that does not require grad, leave it out, "
+                f"or merge under torch.no_grad()"
+            )
     for field in ("v", "s", "sinks"):
         if getattr(getattr(arrays, field), "requires_grad", False):
             name = getattr(RANK_NAMES, field)
