@@ -16,7 +16,7 @@ import torch
 import cupy_merge as cm
 from cupy_merge import _arrays, _checks, _dispatch, _kernels, _tuning
 from cupy_merge._operands import TwoStateOperands
-from cupy_merge.merge import _MERGE_ATTN_STATES
+from cupy_merge._ops import MERGE_ATTN_STATES
 from cupy_merge.tools.timing import host_us_per_call
 
 
@@ -31,7 +31,7 @@ def main():
     options = _checks.two_state_options()
     operands = TwoStateOperands(out, out_lse, v_a, s_a, v_b, s_b, None, None, None, None)
     fingerprint = _arrays.fingerprints(operands)
-    key = (_MERGE_ATTN_STATES, options, fingerprint)
+    key = (MERGE_ATTN_STATES, options, fingerprint)
     prepared = _dispatch._calls[key]
     launch = prepared.launches[0]
     stream = _arrays.TORCH.current_stream(0)
@@ -52,7 +52,7 @@ def main():
         "lookup": lambda: _dispatch._calls.get(key),
         "tuning.current": _tuning.current,
         "current stream": lambda: _arrays.TORCH.current_stream(0),
-        "run (launch + results)": lambda: _dispatch.run(_MERGE_ATTN_STATES, prepared, operands, None),
+        "run (launch + results)": lambda: _dispatch.run(MERGE_ATTN_STATES, prepared, operands, None),
         "_kernels.launch": lambda: _kernels.launch(launch, stream),
         "driver launch alone": lambda: driver(
             launch.function, *launch.grid, *launch.block, launch.shared_bytes, stream, launch.params, 0

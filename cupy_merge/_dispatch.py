@@ -38,6 +38,7 @@ from ._operands import (
     Options,
     TwoStateOperands,
 )
+from ._ops import FORWARD_RESULTS, Operation
 
 _MAX_CALLS = 4096
 #: Prepared calls by fingerprint, for the default tuning (others: ``_calls_by_tuning``).
@@ -45,59 +46,6 @@ _calls: dict[tuple, Call] = {}
 _calls_by_tuning: dict[_tuning.Tuning, dict[tuple, Call]] = {}
 #: Plans by specialisation (and options, tuning).
 _plans: dict[tuple, Planned] = {}
-
-
-#: What a merge returns: its values and LSE.
-FORWARD_RESULTS = ("out", "out_lse")
-
-
-class Operation:
-    """A public merge as the dispatcher sees it.
-
-    ``names`` is the family's operand record holding the public function's
-    argument names (for error messages, and for ``bind`` to find the arguments);
-    ``options`` builds the family's options from the public keyword arguments of
-    the same names. Compared by identity: one object per public merge.
-    """
-
-    __slots__ = ("allocates", "name", "names", "options", "required", "results", "returns")
-
-    def __init__(
-        self,
-        name: str,
-        names: Operands,
-        options: Callable[..., Options],
-        *,
-        allocates: bool,
-        returns: bool,
-        ragged: bool = False,
-    ):
-        self.name = name
-        self.names = names
-        self.options = options
-        self.allocates = allocates  # outputs left as None are allocated (else out_lse None: not written)
-        self.returns = returns  # the public function returns its results (below)
-        if isinstance(names, BackwardOperands):
-            two_way = bool(names.v_b)
-            self.results: tuple[str, ...] = (
-                ("grad_v", "grad_s", "grad_v_b", "grad_s_b", "grad_sinks") if two_way else ("grad_v", "grad_s", "grad_sinks")
-            )
-        else:
-            self.results = FORWARD_RESULTS
-        if isinstance(names, TwoStateOperands):
-            inputs: tuple[str, ...] = ("v_a", "s_a", "v_b", "s_b")
-        elif isinstance(names, BackwardOperands):
-            inputs = ("v", "s", "grad_out") + (("v_b", "s_b") if names.v_b else ())
-        else:
-            inputs = ("v", "s")
-        self.required = frozenset(inputs + (("indptr",) if ragged else ()) + (() if allocates else ("out",)))
-
-    @property
-    def many(self) -> bool:
-        return isinstance(self.names, ManyStateOperands)
-
-    def __repr__(self) -> str:
-        return f"<merge operation {self.name}>"
 
 
 class FreshOutput(NamedTuple):
@@ -293,9 +241,27 @@ def plan_specs(
     planned as fresh C-contiguous arrays. ``lse_in_place``: a two-way merge's
     ``out_lse`` is its ``s_a`` or ``s_b`` itself.
     """
-    names = operation.names
     if isinstance(specs, BackwardOperands):
         return _plan_backward(operation, options, tuning, specs)
+    state, num_states, specs, fresh = check_specs(operation, options, specs)
+    if operation.many:
+        plan = _plan.plan_many_states(state, num_states, specs, options, tuning)  # type: ignore[arg-type]
+        check_rows = specs.indptr is not None and options.check_indptr  # type: ignore[union-attr]
+        return Planned(plan, state, fresh, num_states if check_rows else None)
+    plan = _plan.plan_two_states(state, specs, options, tuning, lse_in_place)  # type: ignore[arg-type]
+    return Planned(plan, state, fresh, None)
+
+
+def check_specs(
+    operation: Operation, options: Options, specs: Operands
+) -> tuple[_checks.StateShape, int, Operands, tuple[FreshOutput, ...]]:
+    """Every shape rule of one merge (not its address and value rules), from its operands' specs:
+    the state's shape, the number of states, the specs with the outputs to allocate filled in as
+    fresh C-contiguous arrays, and those outputs. What plans take, and torch's fakes check."""
+    names = operation.names
+    if isinstance(specs, BackwardOperands):
+        state, num_states = _checks.check_backward(specs, names, options)  # type: ignore[arg-type]
+        return state, num_states, specs, ()
     scaled = specs.output_scale is not None or specs.output_block_scale is not None
     specs = specs._replace(out=_checks.fp8_bytes(specs.out, scaled))
     if operation.many:
@@ -305,12 +271,9 @@ def plan_specs(
     specs, fresh = _fresh_outputs(operation, options.out_dtype, state, specs)  # type: ignore[union-attr]
     if operation.many:
         _checks.check_many(specs, names, options)  # type: ignore[arg-type]
-        plan = _plan.plan_many_states(state, num_states, specs, options, tuning)  # type: ignore[arg-type]
-        check_rows = specs.indptr is not None and options.check_indptr  # type: ignore[union-attr]
-        return Planned(plan, state, fresh, num_states if check_rows else None)
-    _checks.check_two(specs, names, options)  # type: ignore[arg-type]
-    plan = _plan.plan_two_states(state, specs, options, tuning, lse_in_place)  # type: ignore[arg-type]
-    return Planned(plan, state, fresh, None)
+    else:
+        _checks.check_two(specs, names, options)  # type: ignore[arg-type]
+    return state, num_states, specs, fresh
 
 
 def _plan_backward(

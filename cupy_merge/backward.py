@@ -22,25 +22,11 @@ call them directly for your own backward passes.
 
 from __future__ import annotations
 
-from . import _checks, _dispatch
+from . import _checks, _dispatch, _ops
 from ._arrays import Stream
 from ._operands import BackwardOperands
 from .bound import declare
 from .types import Array, LseBase
-
-_TWO = BackwardOperands("grad_v_a", "grad_s_a", "v_a", "s_a", "grad_v", "grad_s", "v_b", "s_b",
-                        "grad_v_b", "grad_s_b", sinks="sinks", grad_sinks="grad_sinks", merged="out", merged_lse="out_lse")  # fmt: skip
-_MANY = BackwardOperands("grad_states_v", "grad_states_s", "v", "s", "grad_v", "grad_s", indptr="indptr",
-                         sinks="sinks", grad_sinks="grad_sinks", merged="out", merged_lse="out_lse")  # fmt: skip
-_MERGE_STATE_BACKWARD = _dispatch.Operation(
-    "merge_state_backward", _TWO, _checks.backward_options, allocates=True, returns=True
-)
-_MERGE_STATES_BACKWARD = _dispatch.Operation(
-    "merge_states_backward", _MANY, _checks.backward_options, allocates=True, returns=True
-)
-_MERGE_STATES_VARLEN_BACKWARD = _dispatch.Operation(
-    "merge_states_varlen_backward", _MANY, _checks.backward_options, allocates=True, returns=True, ragged=True
-)
 
 
 def merge_state_backward(
@@ -99,7 +85,7 @@ def merge_state_backward(
     """
     options = _checks.backward_options(lse_base=lse_base)
     operands = BackwardOperands(None, None, v_a, s_a, grad_v, grad_s, v_b, s_b, sinks=sinks, merged=out, merged_lse=out_lse)
-    return _dispatch.call(_MERGE_STATE_BACKWARD, options, operands, stream)
+    return _dispatch.call(_ops.MERGE_STATE_BACKWARD, options, operands, stream)
 
 
 def merge_states_backward(
@@ -158,7 +144,7 @@ def merge_states_backward(
     """
     options = _checks.backward_options(lse_base=lse_base)
     operands = BackwardOperands(None, None, v, s, grad_v, grad_s, sinks=sinks, merged=out, merged_lse=out_lse)
-    return _dispatch.call(_MERGE_STATES_BACKWARD, options, operands, stream)
+    return _dispatch.call(_ops.MERGE_STATES_BACKWARD, options, operands, stream)
 
 
 def merge_states_varlen_backward(
@@ -226,11 +212,11 @@ def merge_states_varlen_backward(
     operands = BackwardOperands(
         None, None, v, s, grad_v, grad_s, indptr=indptr, sinks=sinks, merged=out, merged_lse=out_lse
     )
-    return _dispatch.call(_MERGE_STATES_VARLEN_BACKWARD, options, operands, stream)
+    return _dispatch.call(_ops.MERGE_STATES_VARLEN_BACKWARD, options, operands, stream)
 
 
-declare(merge_state_backward, _MERGE_STATE_BACKWARD)
-declare(merge_states_backward, _MERGE_STATES_BACKWARD)
-declare(merge_states_varlen_backward, _MERGE_STATES_VARLEN_BACKWARD)
+declare(merge_state_backward, _ops.MERGE_STATE_BACKWARD)
+declare(merge_states_backward, _ops.MERGE_STATES_BACKWARD)
+declare(merge_states_varlen_backward, _ops.MERGE_STATES_VARLEN_BACKWARD)
 
 __all__ = ["merge_state_backward", "merge_states_backward", "merge_states_varlen_backward"]

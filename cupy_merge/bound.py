@@ -18,7 +18,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import _arrays, _dispatch, _kernels, _tuning
+from . import _arrays, _dispatch, _kernels, _ops, _tuning
 from ._arrays import Stream
 from ._operands import WRITTEN
 from .types import Bound
@@ -30,8 +30,10 @@ Merge = TypeVar("Merge", bound=Callable[..., Any])
 
 
 def declare(merge: Merge, operation: _dispatch.Operation) -> Merge:
-    """Make ``merge`` (a public function calling ``operation``) bindable by :func:`bind`."""
-    setattr(merge, BINDER, functools.partial(_bind_operation, operation, inspect.signature(merge)))
+    """Attach ``merge`` (the public function calling ``operation``) to its declaration, and make
+    it bindable by :func:`bind`."""
+    signature = _ops.declare(merge, operation)
+    setattr(merge, BINDER, functools.partial(_bind_operation, operation, signature))
     return merge
 
 

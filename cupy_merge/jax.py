@@ -42,14 +42,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import operator
-import os
-import statistics
-import subprocess
-import sys
 import threading
-import time
 from typing import Any, NamedTuple
 
 import numpy
@@ -58,12 +52,18 @@ from . import _arrays, _checks, _dispatch, _kernels, _plan, _tuning
 from ._arrays import ArraySpec
 from ._catalogue import FP8, ITEMSIZES, MAX_STATES_PER_TOKEN
 from ._operands import BackwardOperands, ManyStateOperands, TwoStateOperands
-from .backward import _MERGE_STATE_BACKWARD, _MERGE_STATES_BACKWARD, _MERGE_STATES_VARLEN_BACKWARD
-from .merge import _MERGE_ATTN_STATES, _MERGE_STATE, _MERGE_STATE_IN_PLACE
-from .merge_many import _MERGE_STATES, _MERGE_STATES_VARLEN
+from ._ops import (
+    MERGE_ATTN_STATES,
+    MERGE_STATE,
+    MERGE_STATE_BACKWARD,
+    MERGE_STATE_IN_PLACE,
+    MERGE_STATES,
+    MERGE_STATES_BACKWARD,
+    MERGE_STATES_VARLEN,
+    MERGE_STATES_VARLEN_BACKWARD,
+)
 
 __all__ = [
-    "benchmark",
     "merge_attn_states",
     "merge_state",
     "merge_state_in_place",
@@ -533,9 +533,9 @@ def _vjp_backward(cfg: _Config, residuals: tuple, cotangents: tuple) -> tuple:
     else:
         fields: tuple[str, ...]
         if "indptr" in given:
-            operation, fields = _MERGE_STATES_VARLEN_BACKWARD, ("v", "s", "indptr", "grad_out", "grad_lse")
+            operation, fields = MERGE_STATES_VARLEN_BACKWARD, ("v", "s", "indptr", "grad_out", "grad_lse")
         else:
-            operation, fields = _MERGE_STATES_BACKWARD, ("v", "s", "grad_out", "grad_lse")
+            operation, fields = MERGE_STATES_BACKWARD, ("v", "s", "grad_out", "grad_lse")
         fields += ("merged", "merged_lse")
         values = dict(given, grad_out=grad_out, grad_lse=grad_lse, merged=results[0], merged_lse=results[1])
         grads = _backward_call(operation, options, cfg.tuning, fields + sinks, values)
@@ -577,7 +577,7 @@ def _two_way_gradients(cfg: _Config, given: dict, grad_out: Any, grad_lse: Any, 
               "sinks": sinks}  # fmt: skip
     fields = ("v", "s", "v_b", "s_b", "grad_out", "grad_lse") + (() if sinks is None else ("sinks",))
     grad_v_a, grad_s_a, grad_v_b, grad_s_b, *grad_sinks = _backward_call(
-        _MERGE_STATE_BACKWARD, options, cfg.tuning, fields, values
+        MERGE_STATE_BACKWARD, options, cfg.tuning, fields, values
     )
     if pass_a is not None:
         grad_v_a = jnp.where(pass_a[:, None, None], grad_out.astype(grad_v_a.dtype), grad_v_a)
@@ -593,7 +593,7 @@ def _backward_call(operation: _dispatch.Operation, options: Any, tuning: _tuning
                    values: dict) -> tuple:  # fmt: skip
     """One backward merge on arrays in the forward's own layouts (LSEs ``[H, T]``, N-way states
     ``[N, T, H, D]``, ``[N, H, T]``): ``(grad_v, grad_s[, grad_v_b, grad_s_b][, grad_sinks])``."""
-    dense = operation is _MERGE_STATES_BACKWARD
+    dense = operation is MERGE_STATES_BACKWARD
     layouts = tuple(
         "nt" if dense and field == "v" else "nht" if dense and field == "s" else
         "ht" if field in ("s", "s_b", "grad_lse", "merged_lse") else "" for field in fields
@@ -899,9 +899,9 @@ def _backward_batched(cfg: _Config):
 
     function = jax.custom_batching.custom_vmap(gradients)
     rule = {
-        _MERGE_STATE_BACKWARD: _rule_two_backward,
-        _MERGE_STATES_BACKWARD: _rule_many_backward,
-        _MERGE_STATES_VARLEN_BACKWARD: _rule_varlen_backward,
+        MERGE_STATE_BACKWARD: _rule_two_backward,
+        MERGE_STATES_BACKWARD: _rule_many_backward,
+        MERGE_STATES_VARLEN_BACKWARD: _rule_varlen_backward,
     }[cfg.operation]
     function.def_vmap(functools.partial(rule, cfg))
     return function
@@ -1163,7 +1163,7 @@ _OPTIONAL = {
 
 
 def _family(operation: _dispatch.Operation) -> str:
-    if operation is _MERGE_STATES_VARLEN:
+    if operation is MERGE_STATES_VARLEN:
         return "varlen"
     return "many" if operation.many else "two"
 
@@ -1264,7 +1264,7 @@ def _jax_call(operation: _dispatch.Operation, options: Any, operands: Any, strea
     if not operation.allocates:
         out = operands.out
         what = _IMMUTABLE if out is None or _arrays.is_jax(out) else _FOREIGN_OUTPUT
-        returned = "(v, s)" if operation is _MERGE_STATE_IN_PLACE else "(output, output_lse)"
+        returned = "(v, s)" if operation is MERGE_STATE_IN_PLACE else "(output, output_lse)"
         raise TypeError(
             f"{names.out}: {what}; leave it out and call cupy_merge.jax.{operation.name}(...) instead, which "
             f"returns the merged {returned}"
@@ -1475,7 +1475,7 @@ def merge_state(
     (dtype(float8_e4m3fn), (16, 8))
     """
     arrays = (None, None, v_a, s_a, v_b, s_b, None, sinks, output_scale, output_block_scale)
-    key = (_MERGE_STATE, _tuning.current(), lse_base, type(lse_base), out_dtype, quant_group_size,
+    key = (MERGE_STATE, _tuning.current(), lse_base, type(lse_base), out_dtype, quant_group_size,
            type(quant_group_size), scale_ue8m0, type(scale_ue8m0), sinks is None, output_scale is None,
            output_block_scale is None)  # fmt: skip
 
@@ -1483,7 +1483,7 @@ def merge_state(
         block_scale = _scales_argument(output_block_scale, quant_group_size)
         options = _memo(_two_options, lse_base, None, out_dtype, block_scale is not None, quant_group_size,
                         scale_ue8m0, False)  # fmt: skip
-        return _route(_MERGE_STATE, options, TwoStateOperands(*arrays[:-1], block_scale))
+        return _route(MERGE_STATE, options, TwoStateOperands(*arrays[:-1], block_scale))
 
     return _run(key, arrays, slow)
 
@@ -1565,7 +1565,7 @@ def merge_attn_states(
     """
     arrays = (None, None, prefix_output, prefix_lse, suffix_output, suffix_lse, None, sinks, output_scale,
               output_block_scale)  # fmt: skip
-    key = (_MERGE_ATTN_STATES, _tuning.current(), lse_base, type(lse_base), prefill_tokens_with_context,
+    key = (MERGE_ATTN_STATES, _tuning.current(), lse_base, type(lse_base), prefill_tokens_with_context,
            type(prefill_tokens_with_context), out_dtype, quant_group_size, type(quant_group_size), scale_ue8m0,
            type(scale_ue8m0), quant_scale_ue8m0, type(quant_scale_ue8m0), sinks is None, output_scale is None,
            output_block_scale is None)  # fmt: skip
@@ -1574,7 +1574,7 @@ def merge_attn_states(
         block_scale = _scales_argument(output_block_scale, quant_group_size)
         options = _memo(_two_options, lse_base, prefill_tokens_with_context, out_dtype, block_scale is not None,
                         quant_group_size, scale_ue8m0, quant_scale_ue8m0)  # fmt: skip
-        return _route(_MERGE_ATTN_STATES, options, TwoStateOperands(*arrays[:-1], block_scale))
+        return _route(MERGE_ATTN_STATES, options, TwoStateOperands(*arrays[:-1], block_scale))
 
     return _run(key, arrays, slow)
 
@@ -1630,11 +1630,11 @@ def merge_state_in_place(
     (2.0, 1.0)
     """
     arrays = (None, None, v, s, v_other, s_other, mask, sinks, None, None)
-    key = (_MERGE_STATE_IN_PLACE, _tuning.current(), lse_base, type(lse_base), mask is None, sinks is None)
+    key = (MERGE_STATE_IN_PLACE, _tuning.current(), lse_base, type(lse_base), mask is None, sinks is None)
 
     def slow():
         options = _memo(_in_place_options, lse_base)
-        return _route(_MERGE_STATE_IN_PLACE, options, TwoStateOperands(*arrays), in_place=mask is not None)
+        return _route(MERGE_STATE_IN_PLACE, options, TwoStateOperands(*arrays), in_place=mask is not None)
 
     return _run(key, arrays, slow)
 
@@ -1698,7 +1698,7 @@ def merge_states(
     ((4, 8, 128), 2.7726)
     """
     arrays = (None, None, v, s, None, sinks, output_scale, output_block_scale)
-    key = (_MERGE_STATES, _tuning.current(), lse_base, type(lse_base), out_dtype, quant_group_size,
+    key = (MERGE_STATES, _tuning.current(), lse_base, type(lse_base), out_dtype, quant_group_size,
            type(quant_group_size), scale_ue8m0, type(scale_ue8m0), sinks is None, output_scale is None,
            output_block_scale is None)  # fmt: skip
 
@@ -1706,7 +1706,7 @@ def merge_states(
         block_scale = _scales_argument(output_block_scale, quant_group_size)
         options = _memo(_many_options, lse_base, out_dtype, False, block_scale is not None, quant_group_size,
                         scale_ue8m0)  # fmt: skip
-        return _route(_MERGE_STATES, options, ManyStateOperands(*arrays[:-1], block_scale))
+        return _route(MERGE_STATES, options, ManyStateOperands(*arrays[:-1], block_scale))
 
     return _run(key, arrays, slow)
 
@@ -1789,7 +1789,7 @@ def merge_states_varlen(
     arrays = (None, None, v, s, indptr, sinks, output_scale, output_block_scale)
     # check_indptr=True reads indptr on every call: never a remembered route.
     key = None if check_indptr is not False else (
-        _MERGE_STATES_VARLEN, _tuning.current(), lse_base, type(lse_base), out_dtype, quant_group_size,
+        MERGE_STATES_VARLEN, _tuning.current(), lse_base, type(lse_base), out_dtype, quant_group_size,
         type(quant_group_size), scale_ue8m0, type(scale_ue8m0), sinks is None, output_scale is None,
         output_block_scale is None)  # fmt: skip
 
@@ -1797,163 +1797,6 @@ def merge_states_varlen(
         block_scale = _scales_argument(output_block_scale, quant_group_size)
         options = _memo(_many_options, lse_base, out_dtype, check_indptr, block_scale is not None,
                         quant_group_size, scale_ue8m0)  # fmt: skip
-        return _route(_MERGE_STATES_VARLEN, options, ManyStateOperands(*arrays[:-1], block_scale))
+        return _route(MERGE_STATES_VARLEN, options, ManyStateOperands(*arrays[:-1], block_scale))
 
     return _run(key, arrays, slow)
-
-
-# -- timings ----------------------------------------------------------------------------------------
-
-_COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
-_SIZES = ((1, 32, 128), (512, 32, 128))
-
-
-def benchmark(calls: int = 300, repeats: int = 7, file: Any = None) -> list[dict]:
-    """Print (and return) per-call times of JAX merges against JAX's own elementwise ops.
-
-    Rows: an eager ``cupy_merge.merge_state`` on JAX arrays (and ``cupy_merge.jax.merge_state``)
-    against an eager ``a + b`` over the same bytes, and a jitted chain of 8 merges against a
-    jitted chain of 8 ``a + b`` (fused by XLA, and kept apart by optimisation barriers), at
-    1x32x128 and 512x32x128 bfloat16. Columns: XLA's command buffers (CUDA graphs) on, as by
-    default, and off (``XLA_FLAGS=--xla_gpu_enable_command_buffer=``). Each column runs in a
-    fresh process (XLA reads its flags once); a time is the median over ``repeats`` runs of
-    ``calls`` calls, over their number, with one synchronisation at the end of each run.
-
-    Parameters
-    ----------
-    calls : int
-        Calls per run.
-    repeats : int
-        Runs per measurement (the median is reported).
-    file : file-like, optional
-        Where to print the table (standard output by default).
-
-    Returns
-    -------
-    list of dict
-        One per row: ``case``, ``on`` and ``off`` (µs per call, or None).
-
-    Examples
-    --------
-    >>> import cupy_merge.jax as cmj
-    >>> rows = cmj.benchmark(calls=100)  # doctest: +SKIP
-    """
-    file = sys.stdout if file is None else file
-    columns = {}
-    for column, flag in (("on", None), ("off", _COMMAND_BUFFERS_OFF)):
-        env = dict(os.environ)
-        if flag is not None:
-            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
-        command = [
-            sys.executable,
-            "-c",
-            f"import cupy_merge.jax as m; m._benchmark_child({calls}, {repeats})",
-        ]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode or not lines:
-            print(
-                f"command buffers {column}: the measuring process failed:\n{done.stdout}{done.stderr}",
-                file=file,
-            )
-            return []
-        result = json.loads(lines[-1])
-        if "skipped" in result:
-            print(result["skipped"], file=file)
-            return []
-        columns[column] = result
-    rows = [
-        {"case": case, "on": columns["on"].get(case), "off": columns["off"].get(case)}
-        for case in columns["on"]
-        if not case.startswith("_")
-    ]
-    width = max(len(row["case"]) for row in rows)
-    print(f"{'µs per call (median)'.ljust(width)}  command buffers on  off", file=file)
-    for row in rows:
-        cells = [_cell(row[column]) for column in ("on", "off")]
-        print(f"{row['case'].ljust(width)}  {cells[0]:>18}  {cells[1]:>8}", file=file)
-    print(f"(jax {columns['on'].get('_jax', '?')}; XLA_FLAGS off: {_COMMAND_BUFFERS_OFF})", file=file)
-    return rows
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, str):
-        return value
-    return f"{value:.1f}"
-
-
-def _benchmark_child(calls: int, repeats: int) -> None:
-    """One column of :func:`benchmark`, in its own process: prints one JSON line."""
-    loaded = _jax()
-    jax, jnp = loaded.jax, loaded.jnp
-    try:
-        has_cuda = bool(jax.local_devices(backend="cuda"))
-    except RuntimeError:
-        has_cuda = False
-    if not has_cuda:
-        print(json.dumps({"skipped": "benchmark skipped: this JAX has no CUDA device"}))
-        return
-    import cupy_merge as cm
-
-    def per_call(function, *args):
-        for _ in range(3):
-            jax.block_until_ready(function(*args))
-        samples = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            for _ in range(calls):
-                result = function(*args)
-            jax.block_until_ready(result)
-            samples.append((time.perf_counter() - started) / calls * 1e6)
-        return statistics.median(samples)
-
-    def add(a, b):
-        return a + b
-
-    def chain_merges(v, s, v_b, s_b):
-        for _ in range(8):
-            v, s = merge_state(v, s, v_b, s_b)
-        return v, s
-
-    def chain_fused(a, b):
-        for _ in range(8):
-            a = a + b
-        return a
-
-    def chain_apart(a, b):
-        for _ in range(8):
-            a = jax.lax.optimization_barrier(a + b)
-        return a
-
-    keys = jax.random.split(jax.random.key(0), 4)
-    table: dict[str, Any] = {"_jax": jax.__version__}
-    jit_chain, jit_fused, jit_apart = jax.jit(chain_merges), jax.jit(chain_fused), jax.jit(chain_apart)
-    for tokens, heads, head_size in _SIZES:
-        shape = f"{tokens}x{heads}x{head_size} bf16"
-        v_a, v_b = (jax.random.normal(k, (tokens, heads, head_size), jnp.bfloat16) for k in keys[:2])
-        s_a, s_b = (jax.random.normal(k, (heads, tokens), jnp.float32) for k in keys[2:])
-        eager_core = per_call(cm.merge_state, v_a, s_a, v_b, s_b)
-        eager_jax = per_call(merge_state, v_a, s_a, v_b, s_b)
-        eager_add = per_call(add, v_a, v_b)
-        table[f"eager cm.merge_state, {shape}"] = eager_core
-        table[f"eager cupy_merge.jax.merge_state, {shape}"] = eager_jax
-        table[f"eager a + b, {shape}"] = eager_add
-        table[f"  ratio cm.merge_state / (a + b), {shape}"] = f"{eager_core / eager_add:.2f}x"
-        table[f"  ratio cupy_merge.jax.merge_state / (a + b), {shape}"] = f"{eager_jax / eager_add:.2f}x"
-        chain = per_call(jit_chain, v_a, s_a, v_b, s_b)
-        fused = per_call(jit_fused, v_a, v_b)
-        apart = per_call(jit_apart, v_a, v_b)
-        table[f"jit: 8 merges, {shape}"] = chain
-        table[f"jit: 8 a + b (fused by XLA), {shape}"] = fused
-        table[f"jit: 8 a + b (8 kernels), {shape}"] = apart
-        table[f"  ratio 8 merges / 8 a + b (fused), {shape}"] = f"{chain / fused:.2f}x"
-        table[f"  ratio 8 merges / 8 a + b (8 kernels), {shape}"] = f"{chain / apart:.2f}x"
-    print(json.dumps(table))
-
-
-if __name__ == "__main__":
-    import importlib
-
-    importlib.import_module("cupy_merge.jax").benchmark()  # the package's copy: its caches, its registration

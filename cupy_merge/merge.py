@@ -14,36 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _checks, _dispatch
+from . import _checks, _dispatch, _ops
 from ._arrays import Stream
 from ._operands import TwoStateOperands
 from .bound import declare
 from .types import Array, LseBase
-
-_MERGE_ATTN_STATES = _dispatch.Operation(
-    "merge_attn_states",
-    TwoStateOperands("output", "output_lse", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse",
-                     "mask", "sinks", "output_scale", "output_block_scale"),
-    _checks.two_state_options,
-    allocates=False,
-    returns=False,
-)  # fmt: skip
-_MERGE_STATE = _dispatch.Operation(
-    "merge_state",
-    TwoStateOperands("out", "out_lse", "v_a", "s_a", "v_b", "s_b", "mask", "sinks", "output_scale",
-                     "output_block_scale"),
-    _checks.two_state_options,
-    allocates=True,
-    returns=True,
-)  # fmt: skip
-_MERGE_STATE_IN_PLACE = _dispatch.Operation(
-    "merge_state_in_place",
-    TwoStateOperands("v", "s", "v", "s", "v_other", "s_other", "mask", "sinks", "output_scale",
-                     "output_block_scale"),
-    _checks.two_state_options,
-    allocates=False,
-    returns=False,
-)  # fmt: skip
 
 
 def merge_attn_states(
@@ -166,7 +141,7 @@ def merge_attn_states(
     )
     operands = TwoStateOperands(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, None,
                                 sinks, output_scale, output_block_scale)  # fmt: skip
-    return _dispatch.call(_MERGE_ATTN_STATES, options, operands, stream)
+    return _dispatch.call(_ops.MERGE_ATTN_STATES, options, operands, stream)
 
 
 def merge_state(
@@ -268,7 +243,7 @@ def merge_state(
         scale_ue8m0=scale_ue8m0,
     )
     operands = TwoStateOperands(out, out_lse, v_a, s_a, v_b, s_b, None, sinks, output_scale, output_block_scale)
-    return _dispatch.call(_MERGE_STATE, options, operands, stream)
+    return _dispatch.call(_ops.MERGE_STATE, options, operands, stream)
 
 
 def merge_state_in_place(
@@ -329,9 +304,9 @@ def merge_state_in_place(
     """
     options = _checks.two_state_options(lse_base=lse_base)
     operands = TwoStateOperands(v, s, v, s, v_other, s_other, mask, sinks, None, None)
-    return _dispatch.call(_MERGE_STATE_IN_PLACE, options, operands, stream)
+    return _dispatch.call(_ops.MERGE_STATE_IN_PLACE, options, operands, stream)
 
 
-declare(merge_attn_states, _MERGE_ATTN_STATES)
-declare(merge_state, _MERGE_STATE)
-declare(merge_state_in_place, _MERGE_STATE_IN_PLACE)
+declare(merge_attn_states, _ops.MERGE_ATTN_STATES)
+declare(merge_state, _ops.MERGE_STATE)
+declare(merge_state_in_place, _ops.MERGE_STATE_IN_PLACE)

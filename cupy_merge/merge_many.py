@@ -4,19 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _checks, _dispatch
+from . import _checks, _dispatch, _ops
 from ._arrays import Stream
 from ._operands import ManyStateOperands
 from .bound import declare
 from .types import Array, LseBase
-
-_NAMES = ManyStateOperands("out", "out_lse", "v", "s", "indptr", "sinks", "output_scale", "output_block_scale")
-_MERGE_STATES = _dispatch.Operation(
-    "merge_states", _NAMES, _checks.many_state_options, allocates=True, returns=True
-)
-_MERGE_STATES_VARLEN = _dispatch.Operation(
-    "merge_states_varlen", _NAMES, _checks.many_state_options, allocates=True, returns=True, ragged=True
-)
 
 
 def merge_states(
@@ -111,7 +103,7 @@ def merge_states(
         scale_ue8m0=scale_ue8m0,
     )
     operands = ManyStateOperands(out, out_lse, v, s, None, sinks, output_scale, output_block_scale)
-    return _dispatch.call(_MERGE_STATES, options, operands, stream)
+    return _dispatch.call(_ops.MERGE_STATES, options, operands, stream)
 
 
 def merge_states_varlen(
@@ -202,8 +194,8 @@ def merge_states_varlen(
         scale_ue8m0=scale_ue8m0,
     )
     operands = ManyStateOperands(out, out_lse, v, s, indptr, sinks, output_scale, output_block_scale)
-    return _dispatch.call(_MERGE_STATES_VARLEN, options, operands, stream)
+    return _dispatch.call(_ops.MERGE_STATES_VARLEN, options, operands, stream)
 
 
-declare(merge_states, _MERGE_STATES)
-declare(merge_states_varlen, _MERGE_STATES_VARLEN)
+declare(merge_states, _ops.MERGE_STATES)
+declare(merge_states_varlen, _ops.MERGE_STATES_VARLEN)

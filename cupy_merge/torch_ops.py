@@ -1,4 +1,4 @@
-"""The torch integration: registered ops, fakes from shapes, ``torch.compile`` routing and autograd.
+"""The torch integration, derived from the merges' declarations: registered ops, fakes, tracing, autograd.
 
 Importing this module (``cupy_merge`` does) never imports torch. It registers two hooks with the
 dispatcher:
@@ -8,116 +8,158 @@ dispatcher:
   (outputs the caller left out are allocated in the graph), so Dynamo captures the whole graph;
   eager calls pay one predicate (0.1-0.2 us) and take the NVRTC path as before;
 * the *autograd* hook: a functional merge of tensors that require grad runs through a
-  ``torch.autograd.Function`` whose backward calls the backward kernels (:mod:`cupy_merge.backward`);
-  compiled code takes the same Function, with the ops inside it.
+  ``torch.autograd.Function`` whose backward runs the merge's backward operation; compiled code
+  takes the same Function, with the ops inside it.
+
+Nothing here is written per merge. Each declaration (``cupy_merge._ops``) gives its ops: a merge
+that writes into its arguments (``merge_attn_states``, ``merge_state_in_place``) one op of its own
+signature; a merge that allocates its results one functional op (its signature without the
+operands it writes and the options that only mean something with them) and, if it takes outputs,
+one ``*_out`` op taking them first. Schemas are generated from the public signatures; the eager
+kernels are the public functions themselves; the fakes check every shape rule from the tensors'
+sizes (with the eager messages, without adding a guard) and allocate the results; a
+differentiable declaration gets one autograd Function, whose backward is its backward operation.
 
 The ops are defined on the light path (``torch.library.Library("cupy_merge", "FRAGMENT")``,
 ``define`` / ``impl`` on CUDA / ``register_fake``) when first needed, and at once when torch was
-imported before ``cupy_merge``. Their CUDA kernels are the eager merges, on torch's current stream;
-their fakes check every shape rule from the tensors' sizes (with the eager messages) without adding a
-guard, and allocate the outputs. ``python -m cupy_merge.torch_ops`` prints the host-cost table.
+imported before ``cupy_merge``.
 """
 
 from __future__ import annotations
 
-import statistics
+import functools
+import inspect
 import sys
 import threading
-import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple, cast
 
-from . import _arrays, _checks, _dispatch, _tuning
-from . import backward as _backward
-from . import merge as _merge
-from . import merge_many as _merge_many
+from . import _arrays, _checks, _dispatch, _ops, _tuning
+from . import backward as _backward  # noqa: F401 - these attach the public functions to the declarations
+from . import merge as _merge  # noqa: F401
+from . import merge_many as _merge_many  # noqa: F401
 from ._catalogue import FP8
-from ._operands import WRITTEN, BackwardOperands, ManyStateOperands, TwoStateOperands
+from ._operands import WRITTEN, BackwardOperands, ManyStateOptions, TwoStateOptions
 
-__all__ = ["NAMESPACE", "SCHEMAS", "host_cost_table", "ops"]
+__all__ = ["NAMESPACE", "SCHEMAS", "ops"]
 
 #: The torch library namespace: ``torch.ops.cupy_merge.<name>``.
 NAMESPACE = "cupy_merge"
 
-_TWO_FP8 = "Tensor? output_scale=None, Tensor(c!)? output_block_scale=None, int? quant_group_size=None, "
-_FP8_OUT = "Tensor? output_scale=None, Tensor(c!)? output_block_scale=None, int? quant_group_size=None, bool scale_ue8m0=False"
-
-#: Every op's schema. Written tensors are declared (``Tensor(a!)``); the ``*_out`` and in-place ops
-#: return nothing. Argument names are the public functions' (errors name them alike).
-SCHEMAS: dict[str, str] = {
-    # vLLM's signature, as cupy_merge.merge_attn_states takes it.
-    "merge_attn_states": (
-        "merge_attn_states(Tensor(a!) output, Tensor prefix_output, Tensor prefix_lse, Tensor suffix_output, "
-        "Tensor suffix_lse, Tensor(b!)? output_lse=None, SymInt? prefill_tokens_with_context=None, "
-        + _TWO_FP8
-        + 'bool quant_scale_ue8m0=False, *, bool scale_ue8m0=False, Tensor? sinks=None, str lse_base="e") -> ()'
-    ),
-    "merge_state": (
-        "merge_state(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b, *, ScalarType? out_dtype=None, "
-        'Tensor? sinks=None, Tensor? output_scale=None, str lse_base="e") -> (Tensor, Tensor)'
-    ),
-    "merge_state_out": (
-        "merge_state_out(Tensor(a!) out, Tensor(b!) out_lse, Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b, *, "
-        "ScalarType? out_dtype=None, Tensor? sinks=None, " + _FP8_OUT + ', str lse_base="e") -> ()'
-    ),
-    "merge_state_in_place": (
-        "merge_state_in_place(Tensor(a!) v, Tensor(b!) s, Tensor v_other, Tensor s_other, Tensor? mask=None, *, "
-        'Tensor? sinks=None, str lse_base="e") -> ()'
-    ),
-    "merge_states": (
-        'merge_states(Tensor v, Tensor s, *, str lse_base="e", ScalarType? out_dtype=None, Tensor? sinks=None, '
-        "Tensor? output_scale=None) -> (Tensor, Tensor)"
-    ),
-    "merge_states_out": (
-        'merge_states_out(Tensor(a!) out, Tensor(b!) out_lse, Tensor v, Tensor s, *, str lse_base="e", '
-        "ScalarType? out_dtype=None, Tensor? sinks=None, " + _FP8_OUT + ") -> ()"
-    ),
-    "merge_states_varlen": (
-        'merge_states_varlen(Tensor v, Tensor s, Tensor indptr, *, str lse_base="e", ScalarType? out_dtype=None, '
-        "bool check_indptr=True, Tensor? sinks=None, Tensor? output_scale=None) -> (Tensor, Tensor)"
-    ),
-    "merge_states_varlen_out": (
-        "merge_states_varlen_out(Tensor(a!) out, Tensor(b!) out_lse, Tensor v, Tensor s, Tensor indptr, *, "
-        'str lse_base="e", ScalarType? out_dtype=None, bool check_indptr=True, Tensor? sinks=None, '
-        + _FP8_OUT
-        + ") -> ()"
-    ),
-    "merge_state_backward": (
-        "merge_state_backward(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b, Tensor grad_v, Tensor? grad_s=None, "
-        '*, Tensor? out=None, Tensor? out_lse=None, Tensor? sinks=None, str lse_base="e") -> '
-        "(Tensor, Tensor, Tensor, Tensor, Tensor?)"
-    ),
-    "merge_states_backward": (
-        "merge_states_backward(Tensor v, Tensor s, Tensor grad_v, Tensor? grad_s=None, *, Tensor? out=None, "
-        'Tensor? out_lse=None, Tensor? sinks=None, str lse_base="e") -> (Tensor, Tensor, Tensor?)'
-    ),
-    "merge_states_varlen_backward": (
-        "merge_states_varlen_backward(Tensor v, Tensor s, Tensor indptr, Tensor grad_v, Tensor? grad_s=None, *, "
-        'Tensor? out=None, Tensor? out_lse=None, Tensor? sinks=None, str lse_base="e") -> (Tensor, Tensor, Tensor?)'
-    ),
-}
-
-#: The ops that allocate their results (the rest write into their arguments).
-FUNCTIONAL = (
-    "merge_state",
-    "merge_states",
-    "merge_states_varlen",
-    "merge_state_backward",
-    "merge_states_backward",
-    "merge_states_varlen_backward",
-)
-
-_MERGE_ATTN_STATES = _merge._MERGE_ATTN_STATES
-_MERGE_STATE = _merge._MERGE_STATE
-_MERGE_STATE_IN_PLACE = _merge._MERGE_STATE_IN_PLACE
-_MERGE_STATES = _merge_many._MERGE_STATES
-_MERGE_STATES_VARLEN = _merge_many._MERGE_STATES_VARLEN
-_MERGE_STATE_BACKWARD = _backward._MERGE_STATE_BACKWARD
-_MERGE_STATES_BACKWARD = _backward._MERGE_STATES_BACKWARD
-_MERGE_STATES_VARLEN_BACKWARD = _backward._MERGE_STATES_VARLEN_BACKWARD
-
 #: Tests with a CPU stand-in kernel set this: fakes then take CPU tensors (on the host device).
 _SPECS_ON_HOST = False
+
+
+# -- the ops, generated from the declarations ----------------------------------------------------------
+
+#: The schema type of each option (its default is the public function's).
+_OPTION_TYPES = {
+    "lse_base": "str",
+    "out_dtype": "ScalarType?",
+    "prefill_tokens_with_context": "SymInt?",  # a count that changes between calls stays dynamic
+    "quant_group_size": "int?",
+    "scale_ue8m0": "bool",
+    "quant_scale_ue8m0": "bool",
+    "check_indptr": "bool",
+}
+#: Options that only mean something with the FP8 group scales, an operand the functional ops do not take.
+_WITH_WRITTEN = frozenset({"quant_group_size", "scale_ue8m0", "quant_scale_ue8m0"})
+#: The outputs an ``*_out`` op takes first.
+_OUTPUTS = ("out", "out_lse")
+
+
+class _Argument(NamedTuple):
+    """One argument of an op: the public function's argument of the same name."""
+
+    name: str
+    field: str | None  # its operand field; None for an option
+    keyword: bool  # keyword-only
+    schema: str  # e.g. "Tensor(a!) output", 'str lse_base="e"'
+
+
+class _TorchOp(NamedTuple):
+    """One registered op: its name, the merge it runs, its form (``"functional"``, ``"out"`` or
+    ``"in place"``), its arguments and its returns."""
+
+    name: str
+    operation: _ops.Operation
+    form: str
+    arguments: tuple[_Argument, ...]
+    returns: str
+
+    @property
+    def schema(self) -> str:
+        positional = [a.schema for a in self.arguments if not a.keyword]
+        keyword = [a.schema for a in self.arguments if a.keyword]
+        listed = ", ".join(positional + (["*"] + keyword if keyword else []))
+        return f"{self.name}({listed}) -> {self.returns}"
+
+    @property
+    def positional(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.arguments if not a.keyword)
+
+
+def _default(value: Any) -> str:
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def _torch_op(operation: _ops.Operation, form: str) -> _TorchOp:
+    """The op of ``operation`` in ``form``, from its public signature and operand record."""
+    by_name = operation.fields_by_name()
+    parameters = [p for p in operation.signature.parameters.values() if p.name != "stream"]  # type: ignore[union-attr]
+    if form == "out":  # its outputs first, required and positional
+        parameters.sort(key=lambda p: by_name.get(p.name) not in _OUTPUTS)
+    letters = iter("abcdefgh")
+    arguments = []
+    for p in parameters:
+        field = by_name.get(p.name)
+        written = field in WRITTEN
+        if form == "functional" and (written or p.name in _WITH_WRITTEN):
+            continue
+        first = form == "out" and field in _OUTPUTS
+        if field is None:
+            schema = f"{_OPTION_TYPES[p.name]} {p.name}={_default(p.default)}"
+        else:
+            optional = p.default is not inspect.Parameter.empty and not first
+            alias = f"({next(letters)}!)" if written else ""
+            schema = f"Tensor{alias}{'?' if optional else ''} {p.name}{'=None' if optional else ''}"
+        arguments.append(_Argument(p.name, field, p.kind is inspect.Parameter.KEYWORD_ONLY and not first, schema))
+    if form != "functional":
+        returns = "()"
+    else:
+        returns = "(" + ", ".join("Tensor?" if r == "grad_sinks" else "Tensor" for r in operation.results) + ")"
+    name = operation.name + ("_out" if form == "out" else "")
+    return _TorchOp(name, operation, form, tuple(arguments), returns)
+
+
+def _torch_ops() -> dict[str, _TorchOp]:
+    generated: dict[str, _TorchOp] = {}
+    for operation in _ops.OPERATIONS.values():
+        forms: tuple[str, ...]
+        if not operation.allocates:
+            forms = ("in place",)
+        elif operation.is_backward:
+            forms = ("functional",)
+        else:
+            forms = ("functional", "out")
+        for form in forms:
+            op = _torch_op(operation, form)
+            generated[op.name] = op
+    return generated
+
+
+def _into(function: Callable[..., Any], out: Any, out_lse: Any, *args: Any, **kwargs: Any) -> None:
+    """An ``*_out`` op's kernel: the public merge into the given outputs."""
+    function(*args, out=out, out_lse=out_lse, **kwargs)
+
+
+def _kernel(op: _TorchOp) -> Callable[..., Any]:
+    """An op's CUDA kernel: the public merge itself (on torch's current stream; ``compiling()`` is
+    false in it). With ``check_indptr`` inside a CUDA-graph capture the dispatcher skips the host
+    copy, and the kernel's guard gives NaN rows for offsets out of range."""
+    function = op.operation.function
+    assert function is not None, op.name  # attached when its module was imported
+    return functools.partial(_into, function) if op.form == "out" else function
 
 
 # -- the hooks: no torch until the caller has imported it ---------------------------------------------
@@ -229,120 +271,83 @@ def ops() -> Any:
     return torch.ops.cupy_merge
 
 
+_TORCH_OPS = _torch_ops()
+#: Every op's schema. Written tensors are declared (``Tensor(a!)``); the ``*_out`` and in-place ops
+#: return nothing. Argument names are the public functions' (errors name them alike).
+SCHEMAS: dict[str, str] = {name: op.schema for name, op in _TORCH_OPS.items()}
+#: The op each traced merge becomes: its functional form (or its only one), and its ``*_out`` form.
+_FUNCTIONAL = {op.operation.name: op for op in _TORCH_OPS.values() if op.form != "out"}
+_INTO = {op.operation.name: op for op in _TORCH_OPS.values() if op.form == "out"}
+
+
 def _define(torch: Any) -> None:
     global _LIB
     lib = torch.library.Library(NAMESPACE, "FRAGMENT")  # keep it: the registrations die with it
     tags = (torch.Tag.pt2_compliant_tag,)
-    for name, schema in SCHEMAS.items():
-        lib.define(schema, tags=tags)
-        lib.impl(name, _KERNELS[name], "CUDA")
+    for name, op in _TORCH_OPS.items():
+        lib.define(op.schema, tags=tags)
+        lib.impl(name, _kernel(op), "CUDA")
         # The kernel is the public merge, which handles autograd itself (the autograd hook: the
         # functional merges are differentiable, the others refuse inputs that require grad): autograd
         # falls through to it, skipping the dispatcher's "no autograd kernel" fallback (and its cost).
         lib.impl(name, torch.library.fallthrough_kernel, "Autograd")
-        torch.library.register_fake(f"{NAMESPACE}::{name}", _FAKES[name], lib=lib)
+        torch.library.register_fake(f"{NAMESPACE}::{name}", functools.partial(_fake, op), lib=lib)
     _LIB = lib
 
 
-# -- CUDA kernels: the eager merges (torch's current stream; compiling() is false in them) -------------
+# -- an op's arguments, both ways: from the dispatcher's operands and options, to them ----------------
 
 
-def _merge_attn_states_kernel(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
-                              prefill_tokens_with_context=None, output_scale=None, output_block_scale=None,
-                              quant_group_size=None, quant_scale_ue8m0=False, *, scale_ue8m0=False, sinks=None,
-                              lse_base="e"):  # fmt: skip
-    # merge.merge_attn_states' body, one Python frame less (the op's eager cost is measured against it).
-    options = _checks.two_state_options(
-        lse_base=lse_base,
-        prefill_tokens_with_context=prefill_tokens_with_context,
-        output_block_scale=output_block_scale,
-        quant_group_size=quant_group_size,
-        scale_ue8m0=scale_ue8m0,
-        quant_scale_ue8m0=quant_scale_ue8m0,
-    )
-    operands = TwoStateOperands(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, None,
-                                sinks, output_scale, output_block_scale)  # fmt: skip
-    _dispatch.call(_MERGE_ATTN_STATES, options, operands, None)
+def _option_argument(name: str, options: Any, torch: Any) -> Any:
+    """The public argument ``name`` that gives ``options`` (the options builders' inverse)."""
+    if name == "lse_base":
+        return "2" if options.lse_base_2 else "e"
+    if name == "out_dtype":
+        return None if options.out_dtype is None else getattr(torch, options.out_dtype)
+    if name == "prefill_tokens_with_context":
+        return options.merge_tokens
+    if name == "quant_group_size":
+        return options.group_size
+    if name == "scale_ue8m0":
+        return bool(options.scale_ue8m0)
+    if name == "quant_scale_ue8m0":
+        return False  # given as scale_ue8m0
+    return options.check_indptr
 
 
-def _merge_state_kernel(v_a, s_a, v_b, s_b, *, out_dtype=None, sinks=None, output_scale=None, lse_base="e"):
-    return _merge.merge_state(v_a, s_a, v_b, s_b, out_dtype=out_dtype, sinks=sinks, output_scale=output_scale,
-                              lse_base=lse_base)  # fmt: skip
+def _call_op(torch: Any, op: _TorchOp, options: Any, operands: Any) -> Any:
+    """The registered op on the operands and options of one traced merge (positional arguments by
+    position, as the graph then records them)."""
+    values = [
+        getattr(operands, a.field) if a.field is not None else _option_argument(a.name, options, torch)
+        for a in op.arguments
+    ]
+    positional = [value for a, value in zip(op.arguments, values) if not a.keyword]
+    keyword = {a.name: value for a, value in zip(op.arguments, values) if a.keyword}
+    return getattr(torch.ops.cupy_merge, op.name).default(*positional, **keyword)
 
 
-def _merge_state_out_kernel(out, out_lse, v_a, s_a, v_b, s_b, *, out_dtype=None, sinks=None, output_scale=None,
-                            output_block_scale=None, quant_group_size=None, scale_ue8m0=False, lse_base="e"):  # fmt: skip
-    _merge.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=out_lse, out_dtype=out_dtype, sinks=sinks,
-                       output_scale=output_scale, output_block_scale=output_block_scale,
-                       quant_group_size=quant_group_size, scale_ue8m0=scale_ue8m0, lse_base=lse_base)  # fmt: skip
+def _from_arguments(op: _TorchOp, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """The operands and options of an op called with ``args`` and ``kwargs`` (SymInt options as
+    the sizes they were traced with: the checks never add a guard)."""
+    given = dict(zip(op.positional, args), **kwargs)
+    operation = op.operation
+    record = type(operation.names)
+    operands = record(*(given.get(name) if name else None for name in operation.names))
+    accepted = inspect.signature(operation.options).parameters
+    options = operation.options(**{
+        name: _hint(value) if _OPTION_TYPES.get(name) == "SymInt?" and value is not None else value
+        for name, value in given.items() if name in accepted
+    })  # fmt: skip
+    return operands, options
 
 
-def _merge_state_in_place_kernel(v, s, v_other, s_other, mask=None, *, sinks=None, lse_base="e"):
-    _merge.merge_state_in_place(v, s, v_other, s_other, mask, sinks=sinks, lse_base=lse_base)
+def _read(operands: Any) -> tuple:
+    """The operands a merge reads (an in-place merge's state too: it is read and written)."""
+    return tuple(getattr(operands, field) for field in operands._fields if field not in WRITTEN)
 
 
-def _merge_states_kernel(v, s, *, lse_base="e", out_dtype=None, sinks=None, output_scale=None):
-    return _merge_many.merge_states(v, s, lse_base=lse_base, out_dtype=out_dtype, sinks=sinks,
-                                    output_scale=output_scale)  # fmt: skip
-
-
-def _merge_states_out_kernel(out, out_lse, v, s, *, lse_base="e", out_dtype=None, sinks=None, output_scale=None,
-                             output_block_scale=None, quant_group_size=None, scale_ue8m0=False):  # fmt: skip
-    _merge_many.merge_states(v, s, out=out, out_lse=out_lse, lse_base=lse_base, out_dtype=out_dtype, sinks=sinks,
-                             output_scale=output_scale, output_block_scale=output_block_scale,
-                             quant_group_size=quant_group_size, scale_ue8m0=scale_ue8m0)  # fmt: skip
-
-
-def _merge_states_varlen_kernel(v, s, indptr, *, lse_base="e", out_dtype=None, check_indptr=True, sinks=None,
-                                output_scale=None):  # fmt: skip
-    # check_indptr inside a CUDA-graph capture: the dispatcher skips the host copy (it cannot be
-    # captured) and the kernel's guard gives NaN rows for offsets out of range.
-    return _merge_many.merge_states_varlen(v, s, indptr, lse_base=lse_base, out_dtype=out_dtype,
-                                           check_indptr=check_indptr, sinks=sinks, output_scale=output_scale)  # fmt: skip
-
-
-def _merge_states_varlen_out_kernel(out, out_lse, v, s, indptr, *, lse_base="e", out_dtype=None, check_indptr=True,
-                                    sinks=None, output_scale=None, output_block_scale=None, quant_group_size=None,
-                                    scale_ue8m0=False):  # fmt: skip
-    _merge_many.merge_states_varlen(v, s, indptr, out=out, out_lse=out_lse, lse_base=lse_base, out_dtype=out_dtype,
-                                    check_indptr=check_indptr, sinks=sinks, output_scale=output_scale,
-                                    output_block_scale=output_block_scale, quant_group_size=quant_group_size,
-                                    scale_ue8m0=scale_ue8m0)  # fmt: skip
-
-
-def _merge_state_backward_kernel(v_a, s_a, v_b, s_b, grad_v, grad_s=None, *, out=None, out_lse=None, sinks=None,
-                                 lse_base="e"):  # fmt: skip
-    return _backward.merge_state_backward(v_a, s_a, v_b, s_b, grad_v, grad_s, out=out, out_lse=out_lse, sinks=sinks,
-                                          lse_base=lse_base)  # fmt: skip
-
-
-def _merge_states_backward_kernel(v, s, grad_v, grad_s=None, *, out=None, out_lse=None, sinks=None, lse_base="e"):
-    return _backward.merge_states_backward(v, s, grad_v, grad_s, out=out, out_lse=out_lse, sinks=sinks,
-                                           lse_base=lse_base)  # fmt: skip
-
-
-def _merge_states_varlen_backward_kernel(v, s, indptr, grad_v, grad_s=None, *, out=None, out_lse=None, sinks=None,
-                                         lse_base="e"):  # fmt: skip
-    return _backward.merge_states_varlen_backward(v, s, indptr, grad_v, grad_s, out=out, out_lse=out_lse, sinks=sinks,
-                                                  lse_base=lse_base)  # fmt: skip
-
-
-_KERNELS: dict[str, Callable[..., Any]] = {
-    "merge_attn_states": _merge_attn_states_kernel,
-    "merge_state": _merge_state_kernel,
-    "merge_state_out": _merge_state_out_kernel,
-    "merge_state_in_place": _merge_state_in_place_kernel,
-    "merge_states": _merge_states_kernel,
-    "merge_states_out": _merge_states_out_kernel,
-    "merge_states_varlen": _merge_states_varlen_kernel,
-    "merge_states_varlen_out": _merge_states_varlen_out_kernel,
-    "merge_state_backward": _merge_state_backward_kernel,
-    "merge_states_backward": _merge_states_backward_kernel,
-    "merge_states_varlen_backward": _merge_states_varlen_backward_kernel,
-}
-
-
-# -- fakes: every shape rule from sizes alone, then the outputs --------------------------------------
+# -- fakes: every shape rule from sizes alone, then the results --------------------------------------
 
 
 def _size_hint_function() -> Callable[[Any], Any] | None:
@@ -385,7 +390,7 @@ def _requires_grad(*tensors: Any) -> bool:
     return False
 
 
-def _writes_refused(operation: _dispatch.Operation) -> RuntimeError:
+def _writes_refused(operation: _ops.Operation) -> RuntimeError:
     return RuntimeError(
         f"{operation.name}: writes into its arguments, so autograd cannot differentiate it; an input "
         f"requires grad: use merge_state, merge_states or merge_states_varlen (functional), or call it "
@@ -393,7 +398,14 @@ def _writes_refused(operation: _dispatch.Operation) -> RuntimeError:
     )
 
 
-def _refuse_written_grad(operation: _dispatch.Operation, operands: Any) -> None:
+def _refuse_writes_under_grad(operation: _ops.Operation, *inputs: Any) -> None:
+    """A form that writes into its arguments refuses inputs that require grad in grad mode (under
+    ``torch.no_grad()`` it runs, as the eager path does)."""
+    if sys.modules["torch"].is_grad_enabled() and _requires_grad(*inputs):
+        raise _writes_refused(operation)
+
+
+def _refuse_written_grad(operation: _ops.Operation, operands: Any) -> None:
     """In grad mode, a merge into a given tensor that requires grad is refused, as torch's own
     ``out=`` ops refuse it (under ``torch.no_grad()`` it writes)."""
     if not sys.modules["torch"].is_grad_enabled():
@@ -410,17 +422,37 @@ def _refuse_written_grad(operation: _dispatch.Operation, operands: Any) -> None:
             )
 
 
-def _refuse_writes_under_grad(operation: _dispatch.Operation, *inputs: Any) -> None:
-    """A form that writes into its arguments refuses inputs that require grad in grad mode (under
-    ``torch.no_grad()`` it runs, as the eager path does)."""
-    if sys.modules["torch"].is_grad_enabled() and _requires_grad(*inputs):
-        raise _writes_refused(operation)
+def _refuse_traced_grad(operation: _ops.Operation, *inputs: Any) -> None:
+    """A functional op put in differentiated compiled code by hand carries no autograd formula of
+    its own: say so at trace time (the public functions are differentiable, compiled too)."""
+    torch = sys.modules["torch"]
+    if torch.is_grad_enabled() and _requires_grad(*inputs):
+        raise RuntimeError(
+            f"torch.ops.cupy_merge.{operation.name}: the op has no autograd formula inside compiled code; "
+            f"call cupy_merge.{operation.name}(...) instead (differentiable eagerly and under torch.compile)"
+        )
 
 
-def _check(operation: _dispatch.Operation, options: Any, operands: Any) -> None:
-    """Every shape rule of one call (``_dispatch.plan_specs`` without the launch plan), on the
-    operands' sizes, with the eager path's messages. The address rules (overlaps) and the values'
-    rules (``check_indptr``) run in the kernel."""
+def _refuse_undifferentiable(operation: _ops.Operation, options: Any, operands: Any) -> None:
+    given = [name for field, name in (("out", "out="), ("out_lse", "out_lse="),
+                                      ("output_block_scale", "output_block_scale="))
+             if getattr(operands, field) is not None]  # fmt: skip
+    if given:
+        raise RuntimeError(
+            f"{operation.name}: an input requires grad, and a merge into given tensors ({', '.join(given)}) is not "
+            f"differentiable; leave them out (the merge allocates its outputs) or merge under torch.no_grad()"
+        )
+    if options.out_dtype == FP8 or operands.output_scale is not None:
+        raise RuntimeError(
+            f"{operation.name}: an input requires grad, and an FP8 (float8_e4m3fn) output is not differentiable; "
+            f"merge to float32, float16 or bfloat16, or under torch.no_grad()"
+        )
+
+
+def _check(operation: _ops.Operation, options: Any, operands: Any) -> None:
+    """Every shape rule of one call (``_dispatch.check_specs``), on the operands' sizes, with the
+    eager path's messages. The address rules (overlaps) and the values' rules (``check_indptr``)
+    run in the kernel."""
     _refuse_written_grad(operation, operands)
     names = operation.names
     fields = operands._fields
@@ -433,176 +465,7 @@ def _check(operation: _dispatch.Operation, options: Any, operands: Any) -> None:
         if spec is None:  # a data-dependent size: the kernel checks at run time
             return
         specs[field] = spec
-    described = type(operands)(**{field: specs.get(field) for field in fields})
-    if isinstance(described, BackwardOperands):
-        _checks.check_backward(described, names, options)  # type: ignore[arg-type]
-        return
-    scaled = described.output_scale is not None or described.output_block_scale is not None
-    described = described._replace(out=_checks.fp8_bytes(described.out, scaled))
-    if operation.many:
-        state, _ = _checks.check_many_inputs(described, names)  # type: ignore[arg-type]
-    else:
-        state = _checks.check_two_inputs(described, names)  # type: ignore[arg-type]
-    described, _ = _dispatch._fresh_outputs(operation, options.out_dtype, state, described)
-    if operation.many:
-        _checks.check_many(described, names, options)  # type: ignore[arg-type]
-    else:
-        _checks.check_two(described, names, options)  # type: ignore[arg-type]
-
-
-def _refuse_traced_grad(operation: _dispatch.Operation, *inputs: Any) -> None:
-    """A functional op put in differentiated compiled code by hand carries no autograd formula of
-    its own: say so at trace time (the public functions are differentiable, compiled too)."""
-    torch = sys.modules["torch"]
-    if torch.is_grad_enabled() and _requires_grad(*inputs):
-        raise RuntimeError(
-            f"torch.ops.cupy_merge.{operation.name}: the op has no autograd formula inside compiled code; "
-            f"call cupy_merge.{operation.name}(...) instead (differentiable eagerly and under torch.compile)"
-        )
-
-
-def _values(torch: Any, like: Any, num_tokens: Any, dtype: Any) -> Any:
-    return torch.empty((num_tokens, like.shape[-2], like.shape[-1]), dtype=dtype or like.dtype, device=like.device)
-
-
-def _lse(torch: Any, like: Any, num_tokens: Any) -> Any:
-    return torch.empty((like.shape[-2], num_tokens), dtype=torch.float32, device=like.device)
-
-
-def _merge_attn_states_fake(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
-                            prefill_tokens_with_context=None, output_scale=None, output_block_scale=None,
-                            quant_group_size=None, quant_scale_ue8m0=False, *, scale_ue8m0=False, sinks=None,
-                            lse_base="e"):  # fmt: skip
-    prefill = prefill_tokens_with_context
-    options = _checks.two_state_options(
-        lse_base=lse_base,
-        prefill_tokens_with_context=prefill if prefill is None else _hint(prefill),
-        output_block_scale=output_block_scale,
-        quant_group_size=quant_group_size,
-        scale_ue8m0=scale_ue8m0,
-        quant_scale_ue8m0=quant_scale_ue8m0,
-    )
-    inputs = (prefix_output, prefix_lse, suffix_output, suffix_lse, sinks, output_scale)
-    _refuse_writes_under_grad(_MERGE_ATTN_STATES, *inputs)
-    _check(_MERGE_ATTN_STATES, options, TwoStateOperands(output, output_lse, prefix_output, prefix_lse, suffix_output,
-                                                         suffix_lse, None, sinks, output_scale, output_block_scale))  # fmt: skip
-
-
-def _merge_state_fake(v_a, s_a, v_b, s_b, *, out_dtype=None, sinks=None, output_scale=None, lse_base="e"):
-    torch = sys.modules["torch"]
-    options = _checks.two_state_options(lse_base=lse_base, out_dtype=out_dtype)
-    _refuse_traced_grad(_MERGE_STATE, v_a, s_a, v_b, s_b, sinks)
-    _check(_MERGE_STATE, options, TwoStateOperands(None, None, v_a, s_a, v_b, s_b, None, sinks, output_scale))
-    return _values(torch, v_a, v_a.shape[0], out_dtype), _lse(torch, v_a, v_a.shape[0])
-
-
-def _merge_state_out_fake(out, out_lse, v_a, s_a, v_b, s_b, *, out_dtype=None, sinks=None, output_scale=None,
-                          output_block_scale=None, quant_group_size=None, scale_ue8m0=False, lse_base="e"):  # fmt: skip
-    options = _checks.two_state_options(lse_base=lse_base, out_dtype=out_dtype, output_block_scale=output_block_scale,
-                                        quant_group_size=quant_group_size, scale_ue8m0=scale_ue8m0)  # fmt: skip
-    _check(_MERGE_STATE, options, TwoStateOperands(out, out_lse, v_a, s_a, v_b, s_b, None, sinks, output_scale,
-                                                   output_block_scale))  # fmt: skip
-
-
-def _merge_state_in_place_fake(v, s, v_other, s_other, mask=None, *, sinks=None, lse_base="e"):
-    _refuse_writes_under_grad(_MERGE_STATE_IN_PLACE, v, s, v_other, s_other, mask, sinks)
-    options = _checks.two_state_options(lse_base=lse_base)
-    _check(_MERGE_STATE_IN_PLACE, options, TwoStateOperands(v, s, v, s, v_other, s_other, mask, sinks))
-
-
-def _merge_states_fake(v, s, *, lse_base="e", out_dtype=None, sinks=None, output_scale=None):
-    torch = sys.modules["torch"]
-    options = _checks.many_state_options(lse_base=lse_base, out_dtype=out_dtype)
-    _refuse_traced_grad(_MERGE_STATES, v, s, sinks)
-    _check(_MERGE_STATES, options, ManyStateOperands(None, None, v, s, None, sinks, output_scale))
-    return _values(torch, v, v.shape[1], out_dtype), _lse(torch, v, v.shape[1])
-
-
-def _merge_states_out_fake(out, out_lse, v, s, *, lse_base="e", out_dtype=None, sinks=None, output_scale=None,
-                           output_block_scale=None, quant_group_size=None, scale_ue8m0=False):  # fmt: skip
-    options = _checks.many_state_options(lse_base=lse_base, out_dtype=out_dtype, output_block_scale=output_block_scale,
-                                         quant_group_size=quant_group_size, scale_ue8m0=scale_ue8m0)  # fmt: skip
-    _check(_MERGE_STATES, options, ManyStateOperands(out, out_lse, v, s, None, sinks, output_scale, output_block_scale))
-
-
-def _merge_states_varlen_fake(v, s, indptr, *, lse_base="e", out_dtype=None, check_indptr=True, sinks=None,
-                              output_scale=None):  # fmt: skip
-    torch = sys.modules["torch"]
-    options = _checks.many_state_options(lse_base=lse_base, out_dtype=out_dtype, check_indptr=check_indptr)
-    _refuse_traced_grad(_MERGE_STATES_VARLEN, v, s, sinks)
-    _check(_MERGE_STATES_VARLEN, options, ManyStateOperands(None, None, v, s, indptr, sinks, output_scale))
-    num_tokens = indptr.shape[0] - 1 if indptr.dim() == 1 else 0
-    return _values(torch, v, num_tokens, out_dtype), _lse(torch, v, num_tokens)
-
-
-def _merge_states_varlen_out_fake(out, out_lse, v, s, indptr, *, lse_base="e", out_dtype=None, check_indptr=True,
-                                  sinks=None, output_scale=None, output_block_scale=None, quant_group_size=None,
-                                  scale_ue8m0=False):  # fmt: skip
-    options = _checks.many_state_options(lse_base=lse_base, out_dtype=out_dtype, check_indptr=check_indptr,
-                                         output_block_scale=output_block_scale, quant_group_size=quant_group_size,
-                                         scale_ue8m0=scale_ue8m0)  # fmt: skip
-    _check(_MERGE_STATES_VARLEN, options, ManyStateOperands(out, out_lse, v, s, indptr, sinks, output_scale,
-                                                            output_block_scale))  # fmt: skip
-
-
-def _like(torch: Any, tensor: Any) -> Any:
-    return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)  # C-contiguous, as the kernel's
-
-
-def _grad_sinks(torch: Any, sinks: Any) -> Any:
-    return None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32, device=sinks.device)
-
-
-def _merge_state_backward_fake(v_a, s_a, v_b, s_b, grad_v, grad_s=None, *, out=None, out_lse=None, sinks=None,
-                               lse_base="e"):  # fmt: skip
-    torch = sys.modules["torch"]
-    options = _checks.backward_options(lse_base=lse_base)
-    _check(_MERGE_STATE_BACKWARD, options, BackwardOperands(None, None, v_a, s_a, grad_v, grad_s, v_b, s_b,
-                                                            sinks=sinks, merged=out, merged_lse=out_lse))  # fmt: skip
-    return _like(torch, v_a), _like(torch, s_a), _like(torch, v_b), _like(torch, s_b), _grad_sinks(torch, sinks)
-
-
-def _merge_states_backward_fake(v, s, grad_v, grad_s=None, *, out=None, out_lse=None, sinks=None, lse_base="e"):
-    torch = sys.modules["torch"]
-    options = _checks.backward_options(lse_base=lse_base)
-    _check(_MERGE_STATES_BACKWARD, options, BackwardOperands(None, None, v, s, grad_v, grad_s, sinks=sinks,
-                                                             merged=out, merged_lse=out_lse))  # fmt: skip
-    return _like(torch, v), _like(torch, s), _grad_sinks(torch, sinks)
-
-
-def _merge_states_varlen_backward_fake(v, s, indptr, grad_v, grad_s=None, *, out=None, out_lse=None, sinks=None,
-                                       lse_base="e"):  # fmt: skip
-    torch = sys.modules["torch"]
-    options = _checks.backward_options(lse_base=lse_base)
-    _check(_MERGE_STATES_VARLEN_BACKWARD, options, BackwardOperands(None, None, v, s, grad_v, grad_s, indptr=indptr,
-                                                                    sinks=sinks, merged=out, merged_lse=out_lse))  # fmt: skip
-    return _like(torch, v), _like(torch, s), _grad_sinks(torch, sinks)
-
-
-_FAKES: dict[str, Callable[..., Any]] = {
-    "merge_attn_states": _merge_attn_states_fake,
-    "merge_state": _merge_state_fake,
-    "merge_state_out": _merge_state_out_fake,
-    "merge_state_in_place": _merge_state_in_place_fake,
-    "merge_states": _merge_states_fake,
-    "merge_states_out": _merge_states_out_fake,
-    "merge_states_varlen": _merge_states_varlen_fake,
-    "merge_states_varlen_out": _merge_states_varlen_out_fake,
-    "merge_state_backward": _merge_state_backward_fake,
-    "merge_states_backward": _merge_states_backward_fake,
-    "merge_states_varlen_backward": _merge_states_varlen_backward_fake,
-}
-
-
-# -- under tracing: the public merges become the ops (Dynamo traces this code) ---------------------------
-
-
-def _lse_base(options: Any) -> str:
-    return "2" if options.lse_base_2 else "e"
-
-
-def _dtype(torch: Any, name: str | None) -> Any:
-    return None if name is None else getattr(torch, name)
+    _dispatch.check_specs(operation, options, type(operands)(**{field: specs.get(field) for field in fields}))
 
 
 def _tokens(tensor: Any, ndim: int, axis: int) -> Any:
@@ -610,7 +473,50 @@ def _tokens(tensor: Any, ndim: int, axis: int) -> Any:
     return tensor.shape[axis] if tensor.dim() == ndim else 0
 
 
-def _compiled_call(operation: _dispatch.Operation, options: Any, operands: Any, stream: Any) -> Any:
+def _num_tokens(operation: _ops.Operation, operands: Any) -> Any:
+    if operation.ragged:
+        return _tokens(operands.indptr, 1, 0) - 1
+    return _tokens(operands.v, 4, 1) if operation.many else _tokens(operands.v_a, 3, 0)
+
+
+def _merged(torch: Any, operation: _ops.Operation, options: Any, operands: Any) -> tuple[Any, Any]:
+    """New C-contiguous outputs of a forward merge: values ``[T, H, D]`` and LSE ``[H, T]``."""
+    like = operands[2]  # v_a or v
+    tokens = _num_tokens(operation, operands)
+    dtype = like.dtype if options.out_dtype is None else getattr(torch, options.out_dtype)
+    values = torch.empty((tokens, like.shape[-2], like.shape[-1]), dtype=dtype, device=like.device)
+    return values, torch.empty((like.shape[-2], tokens), dtype=torch.float32, device=like.device)
+
+
+def _gradients(torch: Any, operands: BackwardOperands) -> tuple:
+    """A backward merge's results: each gradient like the array it is of, C-contiguous (the sinks'
+    only with sinks)."""
+    of = (operands.v, operands.s) + (() if operands.v_b is None else (operands.v_b, operands.s_b))
+    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in of]
+    sinks = operands.sinks
+    grads.append(None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32, device=sinks.device))
+    return tuple(grads)
+
+
+def _fake(op: _TorchOp, *args: Any, **kwargs: Any) -> Any:
+    """An op's fake: the refusals of grad mode, every shape rule, then its results' shapes."""
+    torch = sys.modules["torch"]
+    operands, options = _from_arguments(op, args, kwargs)
+    operation = op.operation
+    if op.form == "in place":
+        _refuse_writes_under_grad(operation, *_read(operands))
+    elif op.form == "functional" and not operation.is_backward:
+        _refuse_traced_grad(operation, *_read(operands))
+    _check(operation, options, operands)
+    if op.form != "functional":
+        return None
+    return _gradients(torch, operands) if operation.is_backward else _merged(torch, operation, options, operands)
+
+
+# -- under tracing: the public merges become the ops (Dynamo traces this code) ---------------------------
+
+
+def _compiled_call(operation: _ops.Operation, options: Any, operands: Any, stream: Any) -> Any:
     """The compiler hook: the public merge as its op, outputs left out allocated in the graph."""
     _attach()
     torch = sys.modules["torch"]
@@ -628,115 +534,33 @@ def _compiled_call(operation: _dispatch.Operation, options: Any, operands: Any, 
             "stream: a traced merge runs on torch's current stream; pass stream=None and enter "
             "torch.cuda.stream(s) around the call instead"
         )
-    if isinstance(operands, BackwardOperands):
-        return _traced_backward(torch, operation, options, operands)
+    if operation.is_backward:
+        return _call_op(torch, _FUNCTIONAL[operation.name], options, operands)
     _refuse_written_grad(operation, operands)
-    if operation.many:
-        return _traced_many(torch, operation, options, operands)
-    return _traced_two(torch, operation, options, operands)
-
-
-def _traced_two(torch: Any, operation: _dispatch.Operation, options: Any, o: TwoStateOperands) -> Any:
-    ops_ = torch.ops.cupy_merge
-    lse_base = _lse_base(options)
-    inputs = (o.v_a, o.s_a, o.v_b, o.s_b, o.mask, o.sinks, o.output_scale)
-    if operation.name == "merge_attn_states":
+    inputs = _read(operands)
+    if not operation.allocates:
         _refuse_writes_under_grad(operation, *inputs)
-        ops_.merge_attn_states.default(o.out, o.v_a, o.s_a, o.v_b, o.s_b, o.out_lse, options.merge_tokens,
-                                       o.output_scale, o.output_block_scale, options.group_size, False,
-                                       scale_ue8m0=bool(options.scale_ue8m0), sinks=o.sinks, lse_base=lse_base)  # fmt: skip
+        _call_op(torch, _FUNCTIONAL[operation.name], options, operands)
         return None
-    if operation.name == "merge_state_in_place":
-        _refuse_writes_under_grad(operation, *inputs)
-        ops_.merge_state_in_place.default(o.out, o.out_lse, o.v_b, o.s_b, o.mask, sinks=o.sinks, lse_base=lse_base)
-        return None
-    dtype = _dtype(torch, options.out_dtype)
     if torch.is_grad_enabled() and _requires_grad(*inputs):
-        _refuse_undifferentiable(operation, options, o)
-        return _FUNCTIONS["merge_state"].apply(o.v_a, o.s_a, o.v_b, o.s_b, o.sinks, options.out_dtype,
-                                               options.lse_base_2)  # fmt: skip
-    if o.out is None and o.out_lse is None and o.output_block_scale is None:
-        return ops_.merge_state.default(o.v_a, o.s_a, o.v_b, o.s_b, out_dtype=dtype, sinks=o.sinks,
-                                        output_scale=o.output_scale, lse_base=lse_base)  # fmt: skip
-    num_tokens = _tokens(o.v_a, 3, 0)
-    out = _values(torch, o.v_a, num_tokens, dtype) if o.out is None else o.out
-    out_lse = _lse(torch, o.v_a, num_tokens) if o.out_lse is None else o.out_lse
-    ops_.merge_state_out.default(out, out_lse, o.v_a, o.s_a, o.v_b, o.s_b, out_dtype=dtype, sinks=o.sinks,
-                                 output_scale=o.output_scale, output_block_scale=o.output_block_scale,
-                                 quant_group_size=options.group_size, scale_ue8m0=bool(options.scale_ue8m0),
-                                 lse_base=lse_base)  # fmt: skip
+        _refuse_undifferentiable(operation, options, operands)
+        return _FUNCTIONS[operation.name].apply(*_function_arguments(operation, options, operands))
+    if operands.out is None and operands.out_lse is None and operands.output_block_scale is None:
+        return _call_op(torch, _FUNCTIONAL[operation.name], options, operands)
+    out, out_lse = _merged(torch, operation, options, operands)
+    out = out if operands.out is None else operands.out
+    out_lse = out_lse if operands.out_lse is None else operands.out_lse
+    _call_op(torch, _INTO[operation.name], options, operands._replace(out=out, out_lse=out_lse))
     return out, out_lse
-
-
-def _traced_many(torch: Any, operation: _dispatch.Operation, options: Any, o: ManyStateOperands) -> Any:
-    ops_ = torch.ops.cupy_merge
-    lse_base = _lse_base(options)
-    dtype = _dtype(torch, options.out_dtype)
-    ragged = operation.name == "merge_states_varlen"
-    if _requires_grad(o.v, o.s, o.sinks, o.output_scale) and torch.is_grad_enabled():
-        _refuse_undifferentiable(operation, options, o)
-        if ragged:
-            return _FUNCTIONS["merge_states_varlen"].apply(o.v, o.s, o.indptr, o.sinks, options.out_dtype,
-                                                           options.check_indptr, options.lse_base_2)  # fmt: skip
-        return _FUNCTIONS["merge_states"].apply(o.v, o.s, o.sinks, options.out_dtype, options.lse_base_2)
-    if o.out is None and o.out_lse is None and o.output_block_scale is None:
-        if ragged:
-            return ops_.merge_states_varlen.default(o.v, o.s, o.indptr, lse_base=lse_base, out_dtype=dtype,
-                                                    check_indptr=options.check_indptr, sinks=o.sinks,
-                                                    output_scale=o.output_scale)  # fmt: skip
-        return ops_.merge_states.default(o.v, o.s, lse_base=lse_base, out_dtype=dtype, sinks=o.sinks,
-                                         output_scale=o.output_scale)  # fmt: skip
-    num_tokens = _tokens(o.indptr, 1, 0) - 1 if ragged else _tokens(o.v, 4, 1)
-    out = _values(torch, o.v, num_tokens, dtype) if o.out is None else o.out
-    out_lse = _lse(torch, o.v, num_tokens) if o.out_lse is None else o.out_lse
-    written = {"out_dtype": dtype, "sinks": o.sinks, "output_scale": o.output_scale,
-               "output_block_scale": o.output_block_scale, "quant_group_size": options.group_size,
-               "scale_ue8m0": bool(options.scale_ue8m0), "lse_base": lse_base}  # fmt: skip
-    if ragged:
-        ops_.merge_states_varlen_out.default(out, out_lse, o.v, o.s, o.indptr, check_indptr=options.check_indptr,
-                                             **written)  # fmt: skip
-    else:
-        ops_.merge_states_out.default(out, out_lse, o.v, o.s, **written)
-    return out, out_lse
-
-
-def _traced_backward(torch: Any, operation: _dispatch.Operation, options: Any, o: BackwardOperands) -> Any:
-    ops_ = torch.ops.cupy_merge
-    lse_base = _lse_base(options)
-    results = {"out": o.merged, "out_lse": o.merged_lse}
-    if operation.name == "merge_state_backward":
-        return ops_.merge_state_backward.default(o.v, o.s, o.v_b, o.s_b, o.grad_out, o.grad_lse, sinks=o.sinks,
-                                                 lse_base=lse_base, **results)  # fmt: skip
-    if operation.name == "merge_states_varlen_backward":
-        return ops_.merge_states_varlen_backward.default(o.v, o.s, o.indptr, o.grad_out, o.grad_lse, sinks=o.sinks,
-                                                         lse_base=lse_base, **results)  # fmt: skip
-    return ops_.merge_states_backward.default(o.v, o.s, o.grad_out, o.grad_lse, sinks=o.sinks, lse_base=lse_base,
-                                              **results)  # fmt: skip
 
 
 # -- autograd ---------------------------------------------------------------------------------------------
 
 
-def _refuse_undifferentiable(operation: _dispatch.Operation, options: Any, operands: Any) -> None:
-    given = [name for field, name in (("out", "out="), ("out_lse", "out_lse="),
-                                      ("output_block_scale", "output_block_scale="))
-             if getattr(operands, field) is not None]  # fmt: skip
-    if given:
-        raise RuntimeError(
-            f"{operation.name}: an input requires grad, and a merge into given tensors ({', '.join(given)}) is not "
-            f"differentiable; leave them out (the merge allocates its outputs) or merge under torch.no_grad()"
-        )
-    if options.out_dtype == FP8 or operands.output_scale is not None:
-        raise RuntimeError(
-            f"{operation.name}: an input requires grad, and an FP8 (float8_e4m3fn) output is not differentiable; "
-            f"merge to float32, float16 or bfloat16, or under torch.no_grad()"
-        )
-
-
-def _autograd_call(operation: _dispatch.Operation, options: Any, operands: Any, stream: Any) -> Any:
-    """The autograd hook: an eager functional merge of tensors that require grad, in grad mode."""
+def _autograd_call(operation: _ops.Operation, options: Any, operands: Any, stream: Any) -> Any:
+    """The autograd hook: an eager merge of tensors that require grad, in grad mode."""
     _attach()
-    if operation.name.endswith("_backward"):
+    if operation.is_backward:
         raise RuntimeError(
             f"{operation.name}: an input requires grad in grad mode (backward(create_graph=True)?); "
             f"the merges' gradients are not differentiable again"
@@ -745,23 +569,23 @@ def _autograd_call(operation: _dispatch.Operation, options: Any, operands: Any, 
     if not operation.returns:
         raise _writes_refused(operation)
     _refuse_undifferentiable(operation, options, operands)
-    args: tuple[Any, ...]
-    if operation.name == "merge_state":
-        o = operands
-        function = _FUNCTIONS["merge_state"]
-        args = (o.v_a, o.s_a, o.v_b, o.s_b, o.sinks, options.out_dtype, options.lse_base_2)
-    elif operation.name == "merge_states_varlen":
-        function = _FUNCTIONS["merge_states_varlen"]
-        args = (operands.v, operands.s, operands.indptr, operands.sinks, options.out_dtype, options.check_indptr,
-                options.lse_base_2)  # fmt: skip
-    else:
-        function = _FUNCTIONS["merge_states"]
-        args = (operands.v, operands.s, operands.sinks, options.out_dtype, options.lse_base_2)
+    function, arguments = _FUNCTIONS[operation.name], _function_arguments(operation, options, operands)
     if stream is None:
-        return function.apply(*args)
+        return function.apply(*arguments)
     # Autograd runs each backward on the stream its forward ran on: make the caller's stream current.
     with _arrays.TORCH.scope(_arrays.stream_pointer(stream), operands[2].device.index):
-        return function.apply(*args)
+        return function.apply(*arguments)
+
+
+def _inputs(operation: _ops.Operation) -> tuple[str, ...]:
+    """The operands a differentiable merge's Function takes: those with gradients, then the others
+    its backward reads (a ragged merge's offsets)."""
+    return operation.gradients + tuple(f for f in operation.backward_inputs.values() if f not in operation.gradients)
+
+
+def _function_arguments(operation: _ops.Operation, options: Any, operands: Any) -> tuple:
+    """A Function's arguments: its operands, then the options' fields (constants to Dynamo)."""
+    return (*(getattr(operands, field) for field in _inputs(operation)), *options)
 
 
 def _unit_last(grad: Any) -> Any:
@@ -775,242 +599,49 @@ def _dense(grad: Any) -> Any:
     return grad if grad.is_contiguous() else grad.contiguous()
 
 
+def _make_function(torch: Any, operation: _ops.Operation) -> Any:
+    """The autograd Function of a differentiable merge. Its forward runs the merge (the op while
+    tracing), its backward the merge's backward operation (its op while tracing), from the merge's
+    inputs (and its results, where the backward reads them)."""
+    fields = _inputs(operation)
+    count = len(fields)
+    record = type(operation.names)
+    option_type = ManyStateOptions if operation.many else TwoStateOptions
+    backward = cast(_ops.Operation, operation.backward)
+
+    class Merge(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            options = option_type(*args[count:])
+            given = dict(zip(fields, args[:count]))
+            operands = record(*(given.get(field) for field in record._fields))
+            merged, lse = _dispatch.call(operation, options, operands, None)  # grad mode is off in here
+            ctx.save_for_backward(*args[:count], *((merged, lse) if operation.backward_reads_results else ()))
+            ctx.lse_base = "2" if options.lse_base_2 else "e"
+            return merged, lse
+
+        @staticmethod
+        def backward(ctx, grad_v, grad_s):
+            saved = ctx.saved_tensors
+            given = dict(zip(fields, saved[:count]))
+            merged, merged_lse = saved[count:] or (None, None)
+            arrays = {field: given[of] for field, of in operation.backward_inputs.items()}
+            operands = BackwardOperands(None, None, grad_out=_unit_last(grad_v), grad_lse=_dense(grad_s), merged=merged,
+                                        merged_lse=merged_lse, **arrays)  # fmt: skip
+            grads = _dispatch.call(backward, _checks.backward_options(lse_base=ctx.lse_base), operands, None)
+            by_field = dict(zip(operation.gradients, grads))
+            return (*(by_field.get(field) for field in fields), *(None,) * len(option_type._fields))
+
+    Merge.__name__ = Merge.__qualname__ = "".join(part.title() for part in operation.name.split("_"))
+    return Merge
+
+
 def _make_functions(torch: Any) -> dict[str, Any]:
-    """The three differentiable merges. Their forward runs the merge (the op while tracing), their
-    backward the backward merge through the public function (its op while tracing)."""
-
-    def lse_base(flag: int) -> str:
-        return "2" if flag else "e"
-
-    class MergeState(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, v_a, s_a, v_b, s_b, sinks, out_dtype, lse_base_2):
-            base = lse_base(lse_base_2)
-            if _compiling():
-                v, s = torch.ops.cupy_merge.merge_state.default(v_a, s_a, v_b, s_b, out_dtype=_dtype(torch, out_dtype),
-                                                                sinks=sinks, lse_base=base)  # fmt: skip
-            else:  # grad mode is off in here: the dispatcher runs the merge
-                options = _checks.two_state_options(lse_base=base, out_dtype=out_dtype)
-                operands = TwoStateOperands(None, None, v_a, s_a, v_b, s_b, None, sinks)
-                v, s = _dispatch.call(_MERGE_STATE, options, operands, None)
-            ctx.save_for_backward(v_a, s_a, v_b, s_b, sinks)
-            ctx.lse_base = base
-            return v, s
-
-        @staticmethod
-        def backward(ctx, grad_v, grad_s):
-            v_a, s_a, v_b, s_b, sinks = ctx.saved_tensors
-            grad_v, grad_s = _unit_last(grad_v), _dense(grad_s)
-            grads = _backward.merge_state_backward(v_a, s_a, v_b, s_b, grad_v, grad_s, sinks=sinks,
-                                                   lse_base=ctx.lse_base)  # fmt: skip
-            return grads[0], grads[1], grads[2], grads[3], grads[4], None, None
-
-    class MergeStates(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, v, s, sinks, out_dtype, lse_base_2):
-            base = lse_base(lse_base_2)
-            if _compiling():
-                merged, lse = torch.ops.cupy_merge.merge_states.default(v, s, lse_base=base,
-                                                                        out_dtype=_dtype(torch, out_dtype), sinks=sinks)  # fmt: skip
-            else:
-                options = _checks.many_state_options(lse_base=base, out_dtype=out_dtype)
-                merged, lse = _dispatch.call(_MERGE_STATES, options, ManyStateOperands(None, None, v, s, None, sinks),
-                                             None)  # fmt: skip
-            ctx.save_for_backward(v, s, sinks, merged, lse)
-            ctx.lse_base = base
-            return merged, lse
-
-        @staticmethod
-        def backward(ctx, grad_v, grad_s):
-            v, s, sinks, merged, lse = ctx.saved_tensors
-            grad_v, grad_s = _unit_last(grad_v), _dense(grad_s)
-            grads = _backward.merge_states_backward(v, s, grad_v, grad_s, out=merged, out_lse=lse, sinks=sinks,
-                                                    lse_base=ctx.lse_base)  # fmt: skip
-            return grads[0], grads[1], grads[2], None, None
-
-    class MergeStatesVarlen(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, v, s, indptr, sinks, out_dtype, check_indptr, lse_base_2):
-            base = lse_base(lse_base_2)
-            if _compiling():
-                merged, lse = torch.ops.cupy_merge.merge_states_varlen.default(
-                    v, s, indptr, lse_base=base, out_dtype=_dtype(torch, out_dtype), check_indptr=check_indptr,
-                    sinks=sinks,
-                )  # fmt: skip
-            else:
-                options = _checks.many_state_options(lse_base=base, out_dtype=out_dtype, check_indptr=check_indptr)
-                operands = ManyStateOperands(None, None, v, s, indptr, sinks)
-                merged, lse = _dispatch.call(_MERGE_STATES_VARLEN, options, operands, None)
-            ctx.save_for_backward(v, s, indptr, sinks, merged, lse)
-            ctx.lse_base = base
-            return merged, lse
-
-        @staticmethod
-        def backward(ctx, grad_v, grad_s):
-            v, s, indptr, sinks, merged, lse = ctx.saved_tensors
-            grad_v, grad_s = _unit_last(grad_v), _dense(grad_s)
-            grads = _backward.merge_states_varlen_backward(v, s, indptr, grad_v, grad_s, out=merged, out_lse=lse,
-                                                           sinks=sinks, lse_base=ctx.lse_base)  # fmt: skip
-            return grads[0], grads[1], None, grads[2], None, None, None
-
-    return {"merge_state": MergeState, "merge_states": MergeStates, "merge_states_varlen": MergeStatesVarlen}
+    return {op.name: _make_function(torch, op) for op in _ops.OPERATIONS.values() if op.backward is not None}
 
 
-if __name__ != "__main__":  # (python -m cupy_merge.torch_ops runs a second copy: it only measures)
+if __name__ != "__main__":
     _dispatch.register_compiler(_compiling, _compiled_call)
     _dispatch.register_autograd(_grad_enabled, _autograd_call)
     if "torch" in sys.modules and hasattr(sys.modules["torch"], "library"):
         _bind(sys.modules["torch"])  # torch came first: the ops exist from now on
-
-
-# -- host cost -------------------------------------------------------------------------------------------
-
-
-def _per_call(call: Callable[[], Any], torch: Any, batch: int, batches: int) -> float:
-    """Median microseconds a call over batches of back-to-back calls, each batch synchronised."""
-    for _ in range(batch):
-        call()
-    times = []
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(batch):
-            call()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) / batch * 1e6)
-    return statistics.median(times)
-
-
-def _decode_steps(torch: Any, heads: int, head_size: int, splits: int, split_len: int) -> dict[str, Any]:
-    """A split-KV decode step (one query token; plain matmuls per split, then ``merge_states``),
-    compiled with ``reduce-overhead`` and eager with the merge bound, over one static KV cache."""
-    import cupy_merge as cm
-
-    dtype = torch.bfloat16
-    scale = head_size**-0.5
-    keys = torch.randn(splits, heads, head_size, split_len, device="cuda", dtype=dtype)  # K^T per split
-    values = torch.randn(splits, heads, split_len, head_size, device="cuda", dtype=dtype)
-    query = torch.randn(1, heads, head_size, device="cuda", dtype=dtype)
-
-    def step(q):
-        scores = torch.matmul(q.transpose(0, 1), keys).float() * scale  # [splits, heads, 1, split_len]
-        lse = torch.logsumexp(scores, dim=-1)  # [splits, heads, 1]
-        partial = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(dtype), values)  # [splits, heads, 1, D]
-        return cm.merge_states(partial.transpose(1, 2), lse)
-
-    torch._dynamo.mark_static_address(keys)
-    torch._dynamo.mark_static_address(values)
-    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
-
-    def compiled_step():
-        torch.compiler.cudagraph_mark_step_begin()
-        return compiled(query)
-
-    scores = torch.empty(splits, heads, 1, split_len, device="cuda", dtype=dtype)
-    lse = torch.empty(splits, heads, 1, device="cuda")
-    partial = torch.empty(splits, heads, 1, head_size, device="cuda", dtype=dtype)
-    merge = cm.bind(cm.merge_states, partial.transpose(1, 2), lse)
-
-    def eager_step():
-        torch.matmul(query.transpose(0, 1), keys, out=scores)
-        scaled = scores.float() * scale
-        torch.logsumexp(scaled, dim=-1, out=lse)
-        torch.matmul(torch.exp(scaled - lse.unsqueeze(-1)).to(dtype), values, out=partial)
-        return merge()
-
-    for _ in range(3):  # warm-up and capture
-        compiled_step()
-    want = eager_step()[0].float()
-    got = compiled_step()[0].float()
-    error = float((got - want).norm() / want.norm())
-    if error > 2e-2:
-        raise AssertionError(f"the compiled decode step differs from the eager one: relative error {error:.2e}")
-    return {"compiled": compiled_step, "eager": eager_step}
-
-
-def host_cost_table(
-    tokens: int = 1,
-    heads: int = 32,
-    head_size: int = 128,
-    splits: int = 4,
-    split_len: int = 256,
-    batch: int = 256,
-    batches: int = 40,
-    file: Any = None,
-) -> dict[str, float]:
-    """Print and return the host cost of the torch paths: microseconds a call on this GPU.
-
-    Rows: the eager ``cm.merge_attn_states`` (bf16, ``tokens x heads x head_size``), the same merge as
-    the registered op (packet and ``.default``), ``torch.add(a, b, out=c)`` and the bound merge as
-    yardsticks, and a split-KV decode step (``splits`` splits of ``split_len`` keys, plain matmuls,
-    then ``merge_states``) compiled with ``mode="reduce-overhead"`` against the same step in eager
-    mode with its merge bound (``cm.bind``). Each row is the median over ``batches`` batches of
-    ``batch`` calls, synchronised after each batch.
-
-    Parameters
-    ----------
-    tokens, heads, head_size : int
-        The merge's shape.
-    splits, split_len : int
-        The decode step's KV splits and their length.
-    batch, batches : int
-        Calls a batch, and batches a row.
-    file : file-like, optional
-        Where to print (standard output by default).
-
-    Returns
-    -------
-    dict
-        Microseconds a call by row name.
-
-    Raises
-    ------
-    RuntimeError
-        No CUDA device.
-
-    Examples
-    --------
-    >>> from cupy_merge import torch_ops
-    >>> table = torch_ops.host_cost_table()  # doctest: +SKIP
-    """
-    import torch
-
-    import cupy_merge as cm
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("host_cost_table: needs a CUDA device")
-    ops_ = ops()
-    dtype = torch.bfloat16
-    v_a, v_b, out = (torch.randn(tokens, heads, head_size, device="cuda", dtype=dtype) for _ in range(3))
-    s_a, s_b, out_lse = (torch.randn(heads, tokens, device="cuda") for _ in range(3))
-    packet, overload = ops_.merge_attn_states, ops_.merge_attn_states.default
-    bound = cm.bind(cm.merge_attn_states, out, v_a, s_a, v_b, s_b, out_lse)
-    steps = _decode_steps(torch, heads, head_size, splits, split_len)
-    rows: dict[str, Callable[[], Any]] = {
-        "cm.merge_attn_states (eager)": lambda: cm.merge_attn_states(out, v_a, s_a, v_b, s_b, out_lse),
-        "torch.ops.cupy_merge.merge_attn_states": lambda: packet(out, v_a, s_a, v_b, s_b, out_lse),
-        "torch.ops.cupy_merge.merge_attn_states.default": lambda: overload(out, v_a, s_a, v_b, s_b, out_lse),
-        "torch.add(a, b, out=c)": lambda: torch.add(v_a, v_b, out=out),
-        "cm.bind(cm.merge_attn_states) relaunch": bound,
-        f"decode step, compiled reduce-overhead ({splits}x{split_len} keys)": steps["compiled"],
-        f"decode step, eager with cm.bind ({splits}x{split_len} keys)": steps["eager"],
-    }
-    results: dict[str, float] = {}
-    for _round in range(2):  # the first round warms every path
-        results = {name: _per_call(call, torch, batch, batches) for name, call in rows.items()}
-    width = max(map(len, results))
-    print(f"host cost per call, {tokens}x{heads}x{head_size} bf16, torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name()}", file=file)  # fmt: skip
-    for name, micros in results.items():
-        print(f"  {name:<{width}}  {micros:7.2f} us", file=file)
-    eager, packet_cost = results["cm.merge_attn_states (eager)"], results["torch.ops.cupy_merge.merge_attn_states"]
-    compiled_cost, eager_step_cost = list(results.values())[-2:]
-    print(f"  op / eager: {packet_cost / eager:.2f}x (target <= 1.3x); compiled step / eager bound step: "
-          f"{compiled_cost / eager_step_cost:.2f}x (target <= 1x)", file=file)  # fmt: skip
-    return results
-
-
-if __name__ == "__main__":
-    import importlib
-
-    importlib.import_module("cupy_merge.torch_ops").host_cost_table()  # the copy cupy_merge registered

@@ -8,7 +8,7 @@ import pytest
 import cupy_merge as cm
 from cupy_merge import _arrays, _checks, _dispatch, _kernels, _tuning
 from cupy_merge._operands import TwoStateOperands, TwoStateOptions
-from cupy_merge.merge import _MERGE_STATE
+from cupy_merge._ops import MERGE_STATE
 
 
 def test_a_torch_tensor_is_fingerprinted_by_pointer_shape_strides_dtype_device_and_negation():
@@ -240,8 +240,8 @@ def test_fresh_outputs_are_allocated_on_every_run_and_patched_into_their_slots(m
     s_a, s_b = view((3, 5), "float32", ptr=3 << 32), view((3, 5), "float32", ptr=4 << 32)
     operands = TwoStateOperands(None, None, v_a, s_a, v_b, s_b)
     plain = _tuning.DEFAULT.replace(programmatic_launch=False)  # launched through cuLaunchKernel
-    call = _dispatch.prepare(_MERGE_STATE, TwoStateOptions(), operands, plain)
-    (plan,) = _dispatch.plan_for(_MERGE_STATE, TwoStateOptions(), _tuning.DEFAULT, operands).plan
+    call = _dispatch.prepare(MERGE_STATE, TwoStateOptions(), operands, plain)
+    (plan,) = _dispatch.plan_for(MERGE_STATE, TwoStateOptions(), _tuning.DEFAULT, operands).plan
     (out_slot,), (lse_slot,) = plan.slots("out"), plan.slots("out_lse")
     assert [(output.field, slots) for output, slots in call.fresh] == [
         ("out", ((0, out_slot, 0),)),
@@ -254,7 +254,7 @@ def test_fresh_outputs_are_allocated_on_every_run_and_patched_into_their_slots(m
             prepared.values[plan.slots({"lse_a": "s_a", "lse_b": "s_b"}.get(field, field))[0]] == operand.ptr
         )
     for run in range(2):
-        out, out_lse = _dispatch.run(_MERGE_STATE, call, operands, None)
+        out, out_lse = _dispatch.run(MERGE_STATE, call, operands, None)
         assert [out, out_lse] == adapter.allocated[-2:] and out[2:] == ((5, 3, 16), "float16")
         arguments = _arguments(launched[-1][-2], len(prepared.values))
         assert arguments[out_slot] == adapter.pointer(out) and arguments[lse_slot] == adapter.pointer(out_lse)

@@ -9,8 +9,7 @@ from views import arguments, bound_args, family, plan_checked, template, view
 from cupy_merge import _catalogue as cat
 from cupy_merge import _checks, _plan, reference
 from cupy_merge._operands import ManyStateOperands, ManyStateOptions, TwoStateOptions
-from cupy_merge.merge import _MERGE_ATTN_STATES
-from cupy_merge.merge_many import _MERGE_STATES
+from cupy_merge._ops import MERGE_ATTN_STATES, MERGE_STATES
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -105,11 +104,11 @@ def _two_way(
     }
     views.update(changes)
     # merge_attn_states' argument names -> its operand record.
-    names = _MERGE_ATTN_STATES.names
+    names = MERGE_ATTN_STATES.names
     return type(names)(**{field: views[name] for field, name in zip(names._fields, names) if name in views})
 
 
-def _planned(arrays, group=None, ue8m0=0, operation=_MERGE_ATTN_STATES):
+def _planned(arrays, group=None, ue8m0=0, operation=MERGE_ATTN_STATES):
     """The plan of an eager call with these views, after every shape and address rule."""
     options = TwoStateOptions(group_size=group, scale_ue8m0=ue8m0)
     return plan_checked(operation, options, arrays)
@@ -186,7 +185,7 @@ def test_n_way_group_scales_keep_whole_groups_per_block_when_states_are_split():
     scales = view((2, HEADS * HEAD_SIZE // 32), "float32", ptr=8 << 32)
     options = ManyStateOptions(group_size=32)
     operands = ManyStateOperands(out, None, v, s, output_block_scale=scales)
-    plan = _launch(plan_checked(_MERGE_STATES, options, operands))
+    plan = _launch(plan_checked(MERGE_STATES, options, operands))
     kernels, template_args, args = _template(plan)
     assert (
         kernels is cat.MANY_PACKED and template_args["SPLIT"] == "true" and template_args["GROUPED"] == "true"

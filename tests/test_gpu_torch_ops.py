@@ -19,6 +19,7 @@ from gpu_arrays import fill_nan, relative_error, to_host
 
 import cupy_merge as cm
 from cupy_merge import reference, torch_ops
+from cupy_merge.tools import torch_host_cost
 
 pytestmark = pytest.mark.gpu
 
@@ -507,7 +508,7 @@ def test_the_fakes_raise_the_eager_messages_word_for_word(label):
 
 def test_the_host_cost_table_runs():
     with open(os.devnull, "w") as quiet:
-        table = torch_ops.host_cost_table(batch=4, batches=2, file=quiet)
+        table = torch_host_cost.host_cost_table(batch=4, batches=2, file=quiet)
     assert len(table) == 7 and all(micros > 0 for micros in table.values())
 
 

@@ -29,7 +29,7 @@ import cupy_merge as cm
 import cupy_merge.jax as cmj
 from cupy_merge import _dispatch, _kernels, _tuning, reference
 from cupy_merge._operands import BackwardOperands, TwoStateOperands, TwoStateOptions
-from cupy_merge.merge import _MERGE_STATE
+from cupy_merge._ops import MERGE_STATE
 
 FP8 = "float8_e4m3fn"
 
@@ -284,7 +284,7 @@ def _core_message(specs: dict) -> str:
         *(contiguous_spec(specs[f].shape, specs[f].dtype, 4, 0) for f in ("v_a", "s_a", "v_b", "s_b")),
     )
     with pytest.raises((TypeError, ValueError)) as raised:
-        _dispatch.plan_specs(_MERGE_STATE, TwoStateOptions(), _tuning.DEFAULT, record)
+        _dispatch.plan_specs(MERGE_STATE, TwoStateOptions(), _tuning.DEFAULT, record)
     return str(raised.value)
 
 
@@ -1126,8 +1126,10 @@ def test_the_benchmark_and_the_example_say_why_they_skip_without_a_cuda_jax():
         pytest.skip("JAX has a CUDA device here")
     import io
 
+    from cupy_merge.tools import jax_host_cost
+
     printed = io.StringIO()
-    assert cmj.benchmark(calls=1, repeats=1, file=printed) == []
+    assert jax_host_cost.benchmark(calls=1, repeats=1, file=printed) == []
     assert "no CUDA device" in printed.getvalue()
     example = pathlib.Path(__file__).resolve().parent.parent / "examples" / "jax_split_kv_decode.py"
     done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, check=False)
@@ -1138,7 +1140,7 @@ def test_the_ragged_vmap_rule_gives_a_token_of_offsets_out_of_range_an_empty_mer
     """Folded under vmap, a token of offsets out of range looks in range (its offsets clipped) and
     its rows are handed over with empty LSEs; its merged LSE, NaN from the merge, must be empty
     too, or the kernel that reads it would give those rows NaN gradients instead of zeros."""
-    from cupy_merge.backward import _MERGE_STATES_VARLEN_BACKWARD
+    from cupy_merge._ops import MERGE_STATES_VARLEN_BACKWARD
 
     batch, rows, tokens, heads, head_size = 2, 12, 3, 2, 8
     folded = {}
@@ -1153,7 +1155,7 @@ def test_the_ragged_vmap_rule_gives_a_token_of_offsets_out_of_range_an_empty_mer
     monkeypatch.setattr(cmj, "_backward_batched", backward_of)
     fields = ("v", "s", "indptr", "grad_out", "grad_lse", "merged", "merged_lse")
     layouts = ("", "ht", "", "", "ht", "", "ht")
-    cfg = cmj._Config(_MERGE_STATES_VARLEN_BACKWARD, cm._checks.backward_options(), _tuning.DEFAULT, fields, layouts)
+    cfg = cmj._Config(MERGE_STATES_VARLEN_BACKWARD, cm._checks.backward_options(), _tuning.DEFAULT, fields, layouts)
     indptr = jnp.array([[0, 4, 8, 12], [0, 5, 9, 40]], jnp.int32)  # batch element 1's last token: past the rows
     merged_lse = jnp.ones((batch, heads, tokens)).at[1, :, 2].set(jnp.nan)
     args = (jnp.ones((batch, rows, heads, head_size)), jnp.ones((batch, heads, rows)), indptr,

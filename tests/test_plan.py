@@ -12,8 +12,13 @@ from views import arguments, bound_args, family, from_specs, plan_checked, recor
 from cupy_merge import _arrays, _checks, _dispatch, _kernels, _plan, _tuning
 from cupy_merge import _catalogue as cat
 from cupy_merge._operands import ManyStateOperands, ManyStateOptions, TwoStateOperands, TwoStateOptions
-from cupy_merge.merge import _MERGE_ATTN_STATES, _MERGE_STATE, _MERGE_STATE_IN_PLACE
-from cupy_merge.merge_many import _MERGE_STATES, _MERGE_STATES_VARLEN
+from cupy_merge._ops import (
+    MERGE_ATTN_STATES,
+    MERGE_STATE,
+    MERGE_STATE_IN_PLACE,
+    MERGE_STATES,
+    MERGE_STATES_VARLEN,
+)
 
 ORDER = ["out", "out_lse", "v_a", "s_a", "v_b", "s_b"]
 OPTIONS = TwoStateOptions()
@@ -21,12 +26,12 @@ DEFAULT = _tuning.DEFAULT
 STRIDED = DEFAULT.replace(packed_kernels=False)
 
 
-def _planned(views: dict, options=OPTIONS, operation=_MERGE_STATE, tuning=DEFAULT):
+def _planned(views: dict, options=OPTIONS, operation=MERGE_STATE, tuning=DEFAULT):
     """The plan of an eager call with these views, after every shape and address rule."""
     return plan_checked(operation, options, views, tuning)
 
 
-def _launch_of(views: dict, options=OPTIONS, tuning=DEFAULT, operation=_MERGE_STATE):
+def _launch_of(views: dict, options=OPTIONS, tuning=DEFAULT, operation=MERGE_STATE):
     """The one launch of a merge planned from ``views``."""
     plan = _planned(views, options, operation, tuning).plan
     assert len(plan) == 1, plan
@@ -249,7 +254,7 @@ def test_the_in_place_merge_with_a_mask_reads_and_writes_v_and_s():
     views = _states(5, 3, 16)
     views["out"], views["out_lse"] = views["v_a"], views["s_a"]
     views["mask"] = view((5,), "bool", 9 << 32)
-    launch = _launch_of(views, operation=_MERGE_STATE_IN_PLACE)
+    launch = _launch_of(views, operation=MERGE_STATE_IN_PLACE)
     args = bound_args(launch, views)
     assert args["mask"] == 9 << 32 and args["mask_stride"] == 1
     assert (
@@ -257,7 +262,7 @@ def test_the_in_place_merge_with_a_mask_reads_and_writes_v_and_s():
     )
     with pytest.raises(TypeError, match="^mask: expected a bool array"):
         views["mask"] = view((5,), "int8", 9 << 32)
-        _planned(views, operation=_MERGE_STATE_IN_PLACE)
+        _planned(views, operation=MERGE_STATE_IN_PLACE)
 
 
 @pytest.mark.parametrize("divisor", [1, 2, 3, 6, 7, 16, 96, 100, 4096, 12345, 2**20 + 1, 2**30 - 1])
@@ -292,18 +297,18 @@ def test_a_plan_made_from_specs_alone_equals_the_plan_of_views_at_any_address_of
     views = _states(5, 3, 16)
     if in_place:
         views["out"], views["out_lse"] = views["v_a"], views["s_b"]
-    from_specs_alone = _dispatch.plan_specs(_MERGE_STATE, OPTIONS, tuning, _specs_of(views), in_place)
+    from_specs_alone = _dispatch.plan_specs(MERGE_STATE, OPTIONS, tuning, _specs_of(views), in_place)
     for shift in (0, 16, 4096 + 48, 1 << 36):  # every address 16-byte aligned: the same class
         moved = _moved(views, shift)
         assert (
-            _dispatch.plan_for(_MERGE_STATE, OPTIONS, tuning, record(_MERGE_STATE, moved)) == from_specs_alone
+            _dispatch.plan_for(MERGE_STATE, OPTIONS, tuning, record(MERGE_STATE, moved)) == from_specs_alone
         )
         assert not {v.ptr for v in moved.values()} & _all_args(from_specs_alone.plan)
     # Alignment is the one address fact a plan depends on: 8-byte aligned views plan narrower packs,
     # and equal what specs of that alignment class plan.
     moved = _moved(views, 8)
-    planned = _dispatch.plan_for(_MERGE_STATE, OPTIONS, tuning, record(_MERGE_STATE, moved))
-    assert planned == _dispatch.plan_specs(_MERGE_STATE, OPTIONS, tuning, _specs_of(moved), in_place)
+    planned = _dispatch.plan_for(MERGE_STATE, OPTIONS, tuning, record(MERGE_STATE, moved))
+    assert planned == _dispatch.plan_specs(MERGE_STATE, OPTIONS, tuning, _specs_of(moved), in_place)
     assert all(spec.align == 8 for spec in _specs_of(moved) if spec is not None)
     assert template(planned.plan[0])["VEC"] == "4" and template(from_specs_alone.plan[0])["VEC"] == "8"
 
@@ -319,7 +324,7 @@ def test_an_n_way_plan_made_from_specs_alone_equals_the_plan_of_views_anywhere(r
     }
     if ragged:
         views["indptr"] = view((5,), "int64", ptr=5 << 32)
-    operation = _MERGE_STATES_VARLEN if ragged else _MERGE_STATES
+    operation = MERGE_STATES_VARLEN if ragged else MERGE_STATES
     options = ManyStateOptions()
     from_specs_alone = _dispatch.plan_specs(operation, options, DEFAULT, _specs_of(views, ManyStateOperands))
     for shift in (0, 16, 1 << 36):
@@ -360,25 +365,25 @@ SINKS = view((3,), "float32", ptr=10 << 32)
 SCALE = view((1,), "float32", ptr=11 << 32)
 BLOCK_SCALES = view((5, 3 * 64 // 32), "float32", ptr=12 << 32)
 SLOT_CASES = {
-    "two-packed": (_MERGE_STATE, OPTIONS, _two(), DEFAULT),
-    "two-strided": (_MERGE_STATE, OPTIONS, _two(), STRIDED),
-    "two-without-lse": (_MERGE_ATTN_STATES, OPTIONS, _two(out_lse=None), DEFAULT),
-    "two-in-place-mask": (_MERGE_STATE_IN_PLACE, OPTIONS,
+    "two-packed": (MERGE_STATE, OPTIONS, _two(), DEFAULT),
+    "two-strided": (MERGE_STATE, OPTIONS, _two(), STRIDED),
+    "two-without-lse": (MERGE_ATTN_STATES, OPTIONS, _two(out_lse=None), DEFAULT),
+    "two-in-place-mask": (MERGE_STATE_IN_PLACE, OPTIONS,
                           _two(out=_two()["v_a"], out_lse=_two()["s_a"], mask=view((5,), "bool", 9 << 32)), DEFAULT),
-    "two-sinks": (_MERGE_STATE, OPTIONS, _two(sinks=SINKS), DEFAULT),
-    "two-sinks-strided": (_MERGE_STATE, OPTIONS, _two(sinks=SINKS), STRIDED),
-    "two-fp8-scale": (_MERGE_STATE, OPTIONS, _two("float8_e4m3fn", output_scale=SCALE), DEFAULT),
-    "two-fp8-scale-strided": (_MERGE_STATE, OPTIONS, _two("float8_e4m3fn", output_scale=SCALE), STRIDED),
-    "two-fp8-groups": (_MERGE_STATE, TwoStateOptions(group_size=32),
+    "two-sinks": (MERGE_STATE, OPTIONS, _two(sinks=SINKS), DEFAULT),
+    "two-sinks-strided": (MERGE_STATE, OPTIONS, _two(sinks=SINKS), STRIDED),
+    "two-fp8-scale": (MERGE_STATE, OPTIONS, _two("float8_e4m3fn", output_scale=SCALE), DEFAULT),
+    "two-fp8-scale-strided": (MERGE_STATE, OPTIONS, _two("float8_e4m3fn", output_scale=SCALE), STRIDED),
+    "two-fp8-groups": (MERGE_STATE, TwoStateOptions(group_size=32),
                        _two("float8_e4m3fn", output_block_scale=BLOCK_SCALES), DEFAULT),
-    "many-packed": (_MERGE_STATES, ManyStateOptions(), _many(), DEFAULT),
-    "many-strided": (_MERGE_STATES, ManyStateOptions(), _many(), STRIDED),
-    "many-sinks": (_MERGE_STATES, ManyStateOptions(), _many(sinks=SINKS), DEFAULT),
-    "ragged-packed": (_MERGE_STATES_VARLEN, ManyStateOptions(), _many(True), DEFAULT),
-    "ragged-strided-sinks": (_MERGE_STATES_VARLEN, ManyStateOptions(), _many(True, sinks=SINKS), STRIDED),
-    "many-fp8-scale": (_MERGE_STATES, ManyStateOptions(),
+    "many-packed": (MERGE_STATES, ManyStateOptions(), _many(), DEFAULT),
+    "many-strided": (MERGE_STATES, ManyStateOptions(), _many(), STRIDED),
+    "many-sinks": (MERGE_STATES, ManyStateOptions(), _many(sinks=SINKS), DEFAULT),
+    "ragged-packed": (MERGE_STATES_VARLEN, ManyStateOptions(), _many(True), DEFAULT),
+    "ragged-strided-sinks": (MERGE_STATES_VARLEN, ManyStateOptions(), _many(True, sinks=SINKS), STRIDED),
+    "many-fp8-scale": (MERGE_STATES, ManyStateOptions(),
                        _many(out=view((4, 3, 64), "float8_e4m3fn", ptr=1 << 32), output_scale=SCALE), STRIDED),
-    "many-fp8-groups": (_MERGE_STATES, ManyStateOptions(group_size=32),
+    "many-fp8-groups": (MERGE_STATES, ManyStateOptions(group_size=32),
                         _many(out=view((4, 3, 64), "float8_e4m3fn", ptr=1 << 32),
                               output_block_scale=view((4, 6), "float32", ptr=12 << 32)), DEFAULT),
 }  # fmt: skip
@@ -411,17 +416,17 @@ def test_calls_and_plans_under_another_tuning_are_cached_apart(monkeypatch):
 
     def prepare(operation, options, operands, tuning):
         prepared.append(tuning)
-        return types.SimpleNamespace(tuning=tuning, grad=False)
+        return types.SimpleNamespace(tuning=tuning, grad=False, written=())
 
     monkeypatch.setattr(_dispatch, "prepare", prepare)
     monkeypatch.setattr(_dispatch, "run", lambda operation, call, operands, stream: call)
     monkeypatch.setattr(_arrays, "fingerprints", lambda operands: ("the same arrays",))
     operands = TwoStateOperands(None, None, "v_a", "s_a", "v_b", "s_b")
-    first = _dispatch.call(_MERGE_STATE, OPTIONS, operands, None)
+    first = _dispatch.call(MERGE_STATE, OPTIONS, operands, None)
     with _tuning.use(STRIDED):
-        second = _dispatch.call(_MERGE_STATE, OPTIONS, operands, None)
-        assert _dispatch.call(_MERGE_STATE, OPTIONS, operands, None) is second
-    assert _dispatch.call(_MERGE_STATE, OPTIONS, operands, None) is first
+        second = _dispatch.call(MERGE_STATE, OPTIONS, operands, None)
+        assert _dispatch.call(MERGE_STATE, OPTIONS, operands, None) is second
+    assert _dispatch.call(MERGE_STATE, OPTIONS, operands, None) is first
     assert prepared == [DEFAULT, STRIDED]  # each prepared once, under its own tuning
     assert (first.tuning, second.tuning) == (DEFAULT, STRIDED)
     (cached,) = _dispatch._calls.values()
@@ -429,17 +434,17 @@ def test_calls_and_plans_under_another_tuning_are_cached_apart(monkeypatch):
     (cached,) = _dispatch._calls_by_tuning[STRIDED].values()
     assert cached is second
     # Plans of the same views: one a tuning, each found again.
-    views = record(_MERGE_STATE, _states(5, 3, 16))
-    packed = _dispatch.plan_for(_MERGE_STATE, OPTIONS, DEFAULT, views)
-    strided = _dispatch.plan_for(_MERGE_STATE, OPTIONS, STRIDED, views)
+    views = record(MERGE_STATE, _states(5, 3, 16))
+    packed = _dispatch.plan_for(MERGE_STATE, OPTIONS, DEFAULT, views)
+    strided = _dispatch.plan_for(MERGE_STATE, OPTIONS, STRIDED, views)
     assert family(packed.plan[0]) is cat.TWO_PACKED and family(strided.plan[0]) is cat.TWO_STRIDED
-    assert _dispatch.plan_for(_MERGE_STATE, OPTIONS, DEFAULT, views) is packed
-    assert _dispatch.plan_for(_MERGE_STATE, OPTIONS, STRIDED, views) is strided
+    assert _dispatch.plan_for(MERGE_STATE, OPTIONS, DEFAULT, views) is packed
+    assert _dispatch.plan_for(MERGE_STATE, OPTIONS, STRIDED, views) is strided
     # A tuning's compile options make modules of their own (compiled and loaded apart).
     chunk8 = DEFAULT.replace(merge_chunk=8)
-    many = record(_MERGE_STATES, _many())
-    default_module = _dispatch.plan_for(_MERGE_STATES, ManyStateOptions(), DEFAULT, many).plan[0].module
-    chunk8_module = _dispatch.plan_for(_MERGE_STATES, ManyStateOptions(), chunk8, many).plan[0].module
+    many = record(MERGE_STATES, _many())
+    default_module = _dispatch.plan_for(MERGE_STATES, ManyStateOptions(), DEFAULT, many).plan[0].module
+    chunk8_module = _dispatch.plan_for(MERGE_STATES, ManyStateOptions(), chunk8, many).plan[0].module
     assert "-DMERGE_CHUNK=8" in chunk8_module.options and chunk8_module != default_module
     assert default_module.options == cat.DEFAULT_COMPILE_OPTIONS
 

@@ -21,8 +21,7 @@ from views import bound_args, family, plan_checked, slot_fields, template, view
 from cupy_merge import _catalogue as cat
 from cupy_merge import _plan, _tuning
 from cupy_merge._operands import ManyStateOptions, TwoStateOptions
-from cupy_merge.merge import _MERGE_ATTN_STATES, _MERGE_STATE
-from cupy_merge.merge_many import _MERGE_STATES, _MERGE_STATES_VARLEN
+from cupy_merge._ops import MERGE_ATTN_STATES, MERGE_STATE, MERGE_STATES, MERGE_STATES_VARLEN
 
 CASES = 150
 OUTPUTS = ("out", "out_lse", "output_block_scale")
@@ -326,9 +325,9 @@ def test_two_way_launches_touch_only_their_arrays_and_write_each_output_once(pac
             views["out_lse"] = views["s_b"]
         views["sinks"] = _sinks(rng, heads)
         # Without out_lse: merge_state allocates it, merge_attn_states does not write it.
-        operation = _MERGE_STATE if views["out_lse"] is not None or rng.random() < 0.5 else _MERGE_ATTN_STATES
+        operation = MERGE_STATE if views["out_lse"] is not None or rng.random() < 0.5 else MERGE_ATTN_STATES
         planned = plan_checked(operation, TwoStateOptions(), views, tuning)
-        allocated = views["out_lse"] is None and operation is _MERGE_STATE
+        allocated = views["out_lse"] is None and operation is MERGE_STATE
         assert [f.field for f in planned.fresh] == (["out_lse"] if allocated else [])
         memory = Memory(_with_fresh(planned, views))
         replay(planned.plan, memory, replay_two)
@@ -354,7 +353,7 @@ def test_n_way_launches_touch_only_their_arrays_and_write_each_output_once(packe
             v = _random_values(rng, (rows, heads, head_size), dtype, 1 << 32)
             s = _lse(rng, (heads, rows), 2 << 32)
             index = view((tokens + 1,), "int32", 7 << 32)
-            operation, states = _MERGE_STATES_VARLEN, rows
+            operation, states = MERGE_STATES_VARLEN, rows
         else:
             indptr, states = None, rng.choice([0, 1, 2, 3, 5, 9])
             v = _random_values(rng, (states, tokens, heads, head_size), dtype, 1 << 32)
@@ -363,7 +362,7 @@ def test_n_way_launches_touch_only_their_arrays_and_write_each_output_once(packe
                 if rng.random() < 0.5
                 else view((states, heads, tokens), "float32", 2 << 32)
             )
-            index, operation = None, _MERGE_STATES
+            index, operation = None, MERGE_STATES
         views = {
             "v": v, "s": s, "indptr": index,
             "out": _random_values(rng, (tokens, heads, head_size), dtype, 5 << 32),
@@ -406,7 +405,7 @@ def test_fp8_group_scales_are_written_once_each_from_whole_groups(many):
             v = _random_values(rng, (states, tokens, heads, head_size), dtype, 1 << 32)
             s = _lse(rng, (states, heads, tokens), 2 << 32)
             views = {"v": v, "s": s, "out": out, "out_lse": out_lse, "output_block_scale": scales}
-            options, operation = ManyStateOptions(group_size=group), _MERGE_STATES
+            options, operation = ManyStateOptions(group_size=group), MERGE_STATES
         else:
             views = {
                 "v_a": _random_values(rng, (tokens, heads, head_size), dtype, 1 << 32),
@@ -415,7 +414,7 @@ def test_fp8_group_scales_are_written_once_each_from_whole_groups(many):
                 "s_b": _lse(rng, (heads, tokens), 4 << 32),
                 "out": out, "out_lse": out_lse, "output_block_scale": scales,
             }  # fmt: skip
-            options, operation = TwoStateOptions(group_size=group), _MERGE_STATE
+            options, operation = TwoStateOptions(group_size=group), MERGE_STATE
         try:
             planned = plan_checked(operation, options, views, tuning)
         except ValueError as error:  # a head-major layout: group scales need heads back to back
@@ -453,7 +452,7 @@ def test_an_in_place_lse_with_group_scales_is_written_once_whatever_the_row_leng
         "output_block_scale": view((tokens, heads * head_size // group), "float32", 8 << 32),
     }
     views["out_lse"] = views["s_a"]
-    planned = plan_checked(_MERGE_STATE, TwoStateOptions(group_size=group), views)
+    planned = plan_checked(MERGE_STATE, TwoStateOptions(group_size=group), views)
     vec = int(template(planned.plan[0])["VEC"])
     assert len(planned.plan) == (2 if head_size // vec > 1024 else 1)
     memory = Memory(views)

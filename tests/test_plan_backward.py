@@ -8,7 +8,7 @@ from views import arguments, template, view
 from cupy_merge import _catalogue as cat
 from cupy_merge import _dispatch, _plan, _tuning
 from cupy_merge._operands import BackwardOperands, BackwardOptions
-from cupy_merge.backward import _MERGE_STATE_BACKWARD, _MERGE_STATES_BACKWARD, _MERGE_STATES_VARLEN_BACKWARD
+from cupy_merge._ops import MERGE_STATE_BACKWARD, MERGE_STATES_BACKWARD, MERGE_STATES_VARLEN_BACKWARD
 
 TOKENS, HEADS = 5, 3
 
@@ -52,29 +52,29 @@ def _ragged(rows, tokens=TOKENS):
 
 
 def test_a_two_way_gradient_takes_the_two_state_short_rows():
-    launch = _plan_of(_MERGE_STATE_BACKWARD, _two_way())
+    launch = _plan_of(MERGE_STATE_BACKWARD, _two_way())
     assert template(launch)["SHORT"] == "2" and template(launch)["PACKS"] == "1"
     assert launch.block == (16, _plan.BACKWARD_THREADS // 16, 1)  # 16 packs of 8 a row
 
 
 @pytest.mark.parametrize("states, short", [(1, "4"), (2, "2"), (3, "4"), (4, "4"), (5, "0"), (64, "0")])
 def test_dense_rows_of_at_most_four_states_are_short(states, short):
-    assert template(_plan_of(_MERGE_STATES_BACKWARD, _dense(states)))["SHORT"] == short
+    assert template(_plan_of(MERGE_STATES_BACKWARD, _dense(states)))["SHORT"] == short
 
 
 def test_rows_of_more_packs_than_lanes_are_not_short():
-    launch = _plan_of(_MERGE_STATES_BACKWARD, _dense(2, head_size=512, dtype="float32"))  # 128 packs of 4
+    launch = _plan_of(MERGE_STATES_BACKWARD, _dense(2, head_size=512, dtype="float32"))  # 128 packs of 4
     assert template(launch)["PACKS"] == "0" and template(launch)["SHORT"] == "0"
     assert launch.block == (32, _plan.BACKWARD_THREADS // 64, 2)  # its two states over two groups
 
 
 def test_ragged_rows_are_never_short():
-    launch = _plan_of(_MERGE_STATES_VARLEN_BACKWARD, _ragged(7))
+    launch = _plan_of(MERGE_STATES_VARLEN_BACKWARD, _ragged(7))
     assert template(launch)["RAGGED"] == "true" and template(launch)["SHORT"] == "0"
 
 
 def test_the_32_bit_kernels_divide_rows_by_heads_with_the_hosts_multiplier():
-    args = arguments(_plan_of(_MERGE_STATES_BACKWARD, _dense(3)))
+    args = arguments(_plan_of(MERGE_STATES_BACKWARD, _dense(3)))
     divisor = _plan.fast_divisor(HEADS)
     assert (args["head_multiplier"], args["head_shift"]) == (divisor.multiplier, divisor.shift)
     assert all(_plan.fast_divide(row, divisor) == row // HEADS for row in range(TOKENS * HEADS))
@@ -82,22 +82,22 @@ def test_the_32_bit_kernels_divide_rows_by_heads_with_the_hosts_multiplier():
 
 def test_a_huge_incoming_gradient_alone_takes_64_bit_offsets():
     """dV's and dS's offsets are computed in Index too: their extent counts."""
-    assert template(_plan_of(_MERGE_STATES_BACKWARD, _dense(3)))["Index"] == "int"
+    assert template(_plan_of(MERGE_STATES_BACKWARD, _dense(3)))["Index"] == "int"
     huge = view((TOKENS, HEADS, 128), "bfloat16", ptr=3 << 32, strides=(cat.INDEX_32_LIMIT, 128, 1))
-    assert template(_plan_of(_MERGE_STATES_BACKWARD, _dense(3, grad_out=huge)))["Index"] == "long long"
+    assert template(_plan_of(MERGE_STATES_BACKWARD, _dense(3, grad_out=huge)))["Index"] == "long long"
 
 
 def test_rows_of_no_values_take_the_path_that_loads_only_packs_that_exist():
     """head_size 0: V is a null pointer, and one pack a lane would load a pack of it anyway."""
-    launch = _plan_of(_MERGE_STATES_BACKWARD, _dense(3, head_size=0))
+    launch = _plan_of(MERGE_STATES_BACKWARD, _dense(3, head_size=0))
     assert template(launch)["PACKS"] == "0" and template(launch)["SHORT"] == "0"
-    launch = _plan_of(_MERGE_STATE_BACKWARD, _two_way(head_size=0))
+    launch = _plan_of(MERGE_STATE_BACKWARD, _two_way(head_size=0))
     assert template(launch)["PACKS"] == "0"
 
 
 def test_64_bit_kernels_get_no_divisor():
     huge = view((TOKENS, HEADS, 128), "bfloat16", ptr=3 << 32, strides=(cat.INDEX_32_LIMIT, 128, 1))
-    args = arguments(_plan_of(_MERGE_STATES_BACKWARD, _dense(3, grad_out=huge)))
+    args = arguments(_plan_of(MERGE_STATES_BACKWARD, _dense(3, grad_out=huge)))
     assert (args["head_multiplier"], args["head_shift"]) == (0, 0)
 
 
@@ -150,14 +150,14 @@ def test_without_group_chunks_only_rows_too_few_for_the_gpu_split_over_groups(ro
 
 
 def test_groups_share_the_blocks_threads():
-    launch = _plan_of(_MERGE_STATES_BACKWARD, _dense(16))
+    launch = _plan_of(MERGE_STATES_BACKWARD, _dense(16))
     lanes, rows_y, groups = launch.block
     assert groups == 4 and lanes * rows_y * groups == _plan.BACKWARD_THREADS
     assert launch.grid[0] == -(-TOKENS * HEADS // rows_y)
 
 
 def test_a_ragged_batch_of_no_tokens_still_launches_to_zero_its_rows():
-    launch = _plan_of(_MERGE_STATES_VARLEN_BACKWARD, _ragged(7, tokens=0))
+    launch = _plan_of(MERGE_STATES_VARLEN_BACKWARD, _ragged(7, tokens=0))
     assert launch.grid[0] >= 1 and arguments(launch)["num_tokens"] == 0
 
 
@@ -167,7 +167,7 @@ def test_a_ragged_gradient_has_blocks_enough_to_zero_the_rows_no_token_owns(toke
     up to BACKWARD_ZEROING_BLOCKS blocks; batches of many tokens keep their tokens' grid. A split
     plan (2 tokens of a mean of 150000 rows) zeroes in its finishing launch, and its split launch
     keeps the tokens' grid."""
-    planned = _dispatch.plan_for(_MERGE_STATES_VARLEN_BACKWARD, BackwardOptions(), _tuning.DEFAULT,
+    planned = _dispatch.plan_for(MERGE_STATES_VARLEN_BACKWARD, BackwardOptions(), _tuning.DEFAULT,
                                  _ragged(rows, tokens))  # fmt: skip
     zeroing = planned.plan[-1]
     _, rows_y, groups = zeroing.block  # the zeroing runs over every group's rows of threads
@@ -200,14 +200,14 @@ def test_rows_too_few_for_groups_alone_split_their_states_over_blocks_then_finis
         view((1024, 1, 32, 128), "bfloat16", ptr=1 << 32), view((1024, 32, 1), "float32", ptr=2 << 32),
         view((1, 32, 128), "bfloat16", ptr=3 << 32), view((32, 1), "float32", ptr=4 << 32),
     )  # fmt: skip
-    planned = _dispatch.plan_for(_MERGE_STATES_BACKWARD, BackwardOptions(), _tuning.DEFAULT, operands)
+    planned = _dispatch.plan_for(MERGE_STATES_BACKWARD, BackwardOptions(), _tuning.DEFAULT, operands)
     main, finish = planned.plan
     assert main.block == (16, 2, 4) and main.grid == (16, 32, 1)
     # The same block shape (its groups fold the merged LSE as the split launch's, to the bit).
     assert finish.kernel == main.kernel and finish.block == main.block and finish.grid == (16, 1, 1)
     assert (arguments(main)["finish"], arguments(finish)["finish"]) == (0, 1)
     unsplit = _tuning.DEFAULT.replace(backward_split_chunks=10**6)
-    (launch,) = _dispatch.plan_for(_MERGE_STATES_BACKWARD, BackwardOptions(), unsplit, operands).plan
+    (launch,) = _dispatch.plan_for(MERGE_STATES_BACKWARD, BackwardOptions(), unsplit, operands).plan
     assert launch.grid[1] == 1
 
 
@@ -226,7 +226,7 @@ def test_splits_keep_the_threads_within_busy_threads(rows, states, ragged, split
 
 def test_no_tokens_over_a_large_buffer_do_not_split():
     """A ragged batch of no tokens has no states to split: one launch, its zeroing grid."""
-    (launch,) = _dispatch.plan_for(_MERGE_STATES_VARLEN_BACKWARD, BackwardOptions(), _tuning.DEFAULT,
+    (launch,) = _dispatch.plan_for(MERGE_STATES_VARLEN_BACKWARD, BackwardOptions(), _tuning.DEFAULT,
                                    _ragged(100_000, tokens=0)).plan  # fmt: skip
     assert launch.grid == (_plan.BACKWARD_ZEROING_BLOCKS, 1, 1)
 
@@ -248,8 +248,8 @@ def _reads_the_results(launch):
 @pytest.mark.parametrize("states, given", [(2, False), (FROM_OUTPUT_STATES - 1, False), (FROM_OUTPUT_STATES, True),
                                            (1000, True)])  # fmt: skip
 def test_few_rows_of_many_states_take_the_kernel_given_the_merges_results(states, given):
-    assert _reads_the_results(_plan_of(_MERGE_STATES_BACKWARD, _with_results(_dense(states)))) == given
-    assert not _reads_the_results(_plan_of(_MERGE_STATES_BACKWARD, _dense(states)))
+    assert _reads_the_results(_plan_of(MERGE_STATES_BACKWARD, _with_results(_dense(states)))) == given
+    assert not _reads_the_results(_plan_of(MERGE_STATES_BACKWARD, _dense(states)))
 
 
 def test_rows_enough_recompute_the_merged_lse_even_given_it():
@@ -261,21 +261,21 @@ def test_rows_enough_recompute_the_merged_lse_even_given_it():
         ), tokens=tokens)  # fmt: skip
 
     tokens = -(-_tuning.DEFAULT.backward_from_output_rows // HEADS)
-    assert not _reads_the_results(_plan_of(_MERGE_STATES_BACKWARD, stack(tokens)))
-    assert _reads_the_results(_plan_of(_MERGE_STATES_BACKWARD, stack(tokens - 1)))
+    assert not _reads_the_results(_plan_of(MERGE_STATES_BACKWARD, stack(tokens)))
+    assert _reads_the_results(_plan_of(MERGE_STATES_BACKWARD, stack(tokens - 1)))
 
 
 def test_a_two_way_gradient_given_its_results_still_recomputes_them_but_can_be_told_not_to():
-    assert not _reads_the_results(_plan_of(_MERGE_STATE_BACKWARD, _with_results(_two_way())))
+    assert not _reads_the_results(_plan_of(MERGE_STATE_BACKWARD, _with_results(_two_way())))
     every = _tuning.DEFAULT.replace(backward_from_output_states=2)
-    launch = _plan_of(_MERGE_STATE_BACKWARD, _with_results(_two_way()), every)
+    launch = _plan_of(MERGE_STATE_BACKWARD, _with_results(_two_way()), every)
     assert _reads_the_results(launch)
     args = arguments(launch)
     assert (args["out_stride_token"], args["out_stride_head"]) == (HEADS * 128, 128)
 
 
 def test_a_ragged_batch_given_its_results_takes_one_launch_that_also_zeroes_the_rows_no_token_owns():
-    planned = _dispatch.plan_for(_MERGE_STATES_VARLEN_BACKWARD, BackwardOptions(),
+    planned = _dispatch.plan_for(MERGE_STATES_VARLEN_BACKWARD, BackwardOptions(),
                                  _tuning.DEFAULT.replace(backward_from_output_states=2),
                                  _with_results(_ragged(4000, tokens=1000), head_size=64, tokens=1000))  # fmt: skip
     (launch,) = planned.plan
@@ -302,10 +302,10 @@ def test_the_merges_results_come_both_or_neither_and_as_the_merge_returned_them(
     operands = _with_results(_dense(5))
     for missing in ("merged", "merged_lse"):
         with pytest.raises(ValueError, match="^out(_lse)?: expected it with out"):
-            _plan_of(_MERGE_STATES_BACKWARD, operands._replace(**{missing: None}))
+            _plan_of(MERGE_STATES_BACKWARD, operands._replace(**{missing: None}))
     with pytest.raises(TypeError, match=r"^out: expected the dtype of grad_v \(bfloat16\)"):
-        _plan_of(_MERGE_STATES_BACKWARD, operands._replace(merged=view((TOKENS, HEADS, 128), "float32", ptr=8 << 32)))
+        _plan_of(MERGE_STATES_BACKWARD, operands._replace(merged=view((TOKENS, HEADS, 128), "float32", ptr=8 << 32)))
     with pytest.raises(ValueError, match="^out: expected shape"):
-        _plan_of(_MERGE_STATES_BACKWARD, operands._replace(merged=view((TOKENS, HEADS, 64), "bfloat16", ptr=8 << 32)))
+        _plan_of(MERGE_STATES_BACKWARD, operands._replace(merged=view((TOKENS, HEADS, 64), "bfloat16", ptr=8 << 32)))
     with pytest.raises(ValueError, match="^out_lse: expected shape"):
-        _plan_of(_MERGE_STATES_BACKWARD, operands._replace(merged_lse=view((TOKENS, HEADS), "float32", ptr=9 << 32)))
+        _plan_of(MERGE_STATES_BACKWARD, operands._replace(merged_lse=view((TOKENS, HEADS), "float32", ptr=9 << 32)))

@@ -12,7 +12,7 @@ from views import view as _make_view
 from cupy_merge import _catalogue as cat
 from cupy_merge import _checks, _tuning
 from cupy_merge._operands import ManyStateOptions
-from cupy_merge.merge_many import _MERGE_STATES, _MERGE_STATES_VARLEN
+from cupy_merge._ops import MERGE_STATES, MERGE_STATES_VARLEN
 
 STATES, TOKENS, HEADS, HEAD_SIZE = 6, 5, 3, 64
 STRIDED = _tuning.DEFAULT.replace(packed_kernels=False)
@@ -37,7 +37,7 @@ def _dense(**changes):
 def _plan(views, options=None, tuning=_tuning.DEFAULT):
     """The one launch of the merge of ``views``, after every shape and address rule."""
     options = options or ManyStateOptions()
-    operation = _MERGE_STATES if views["indptr"] is None else _MERGE_STATES_VARLEN
+    operation = MERGE_STATES if views["indptr"] is None else MERGE_STATES_VARLEN
     plan = plan_checked(operation, options, views, tuning).plan
     assert len(plan) == 1, plan
     return plan[0]

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from cupy_merge import _arrays, _checks, _dispatch, _tuning, reference
-from cupy_merge.merge import _MERGE_STATE
-from cupy_merge.merge_many import _MERGE_STATES, _MERGE_STATES_VARLEN, _NAMES
+from cupy_merge._ops import MERGE_STATE, MERGE_STATES, MERGE_STATES_VARLEN
 
 
 def _random_qkv(rng, tokens, heads, head_size, kv_len):
@@ -179,7 +178,7 @@ TWO_WAY = {"v_a": (5, 3, 16), "s_a": (3, 5), "v_b": (5, 3, 16), "s_b": (3, 5)}
 )
 def test_the_two_way_reference_raises_the_gpu_merges_messages_for_bad_shapes(changes, words):
     shapes = dict(TWO_WAY, **changes)
-    gpu_error = _gpu_error(_MERGE_STATE, **shapes)
+    gpu_error = _gpu_error(MERGE_STATE, **shapes)
     assert re.match(words, str(gpu_error)), gpu_error
     arrays = {name: np.zeros(shape) for name, shape in shapes.items()}
     sinks = arrays.pop("sinks", None)
@@ -201,7 +200,7 @@ def test_the_two_way_reference_raises_the_gpu_merges_messages_for_bad_shapes(cha
     ],
 )
 def test_the_n_way_reference_raises_the_gpu_merges_messages_for_bad_shapes(shapes, words):
-    gpu_error = _gpu_error(_MERGE_STATES, **shapes)
+    gpu_error = _gpu_error(MERGE_STATES, **shapes)
     assert re.match(words, str(gpu_error)), gpu_error
     arrays = {name: np.zeros(shape) for name, shape in shapes.items()}
     _same_error(
@@ -224,7 +223,7 @@ def test_the_n_way_reference_raises_the_gpu_merges_messages_for_bad_shapes(shape
     ],
 )
 def test_the_ragged_reference_raises_the_gpu_merges_messages_for_bad_shapes(shapes, words):
-    gpu_error = _gpu_error(_MERGE_STATES_VARLEN, **shapes)
+    gpu_error = _gpu_error(MERGE_STATES_VARLEN, **shapes)
     assert re.match(words, str(gpu_error)), gpu_error
     v, s = np.zeros(shapes["v"]), np.zeros(shapes["s"])
     indptr = np.zeros(shapes["indptr"], dtype=np.int64)
@@ -234,7 +233,7 @@ def test_the_ragged_reference_raises_the_gpu_merges_messages_for_bad_shapes(shap
 
 def test_a_float_indptr_is_refused_as_the_gpu_refuses_it():
     with pytest.raises(TypeError) as gpu:
-        _checks.expect_index_array(_arrays.contiguous_spec((5,), "float32", 4, 0), _NAMES.indptr)
+        _checks.expect_index_array(_arrays.contiguous_spec((5,), "float32", 4, 0), MERGE_STATES.names.indptr)
     _same_error(gpu.value, lambda: reference.merge_states_varlen(np.zeros((4, 3, 8)), np.zeros((3, 4)),
                                                                  np.zeros(5, dtype=np.float32)))  # fmt: skip
 

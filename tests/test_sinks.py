@@ -9,8 +9,7 @@ from sinks_reference import attention_with_sinks, split_states
 from cupy_merge import _dispatch, _tuning, reference
 from cupy_merge._arrays import ArraySpec, contiguous_strides
 from cupy_merge._operands import ManyStateOperands, TwoStateOperands
-from cupy_merge.merge import _MERGE_STATE
-from cupy_merge.merge_many import _MERGE_STATES
+from cupy_merge._ops import MERGE_STATE, MERGE_STATES
 
 
 @pytest.mark.parametrize("lse_base", ["e", 2])
@@ -81,17 +80,17 @@ def test_bad_sinks_are_refused_naming_the_argument(sinks, error, words):
     values, lse = _spec((5, 4, 8)), _spec((4, 5), "float32", 4)
     two = TwoStateOperands(None, None, values, lse, values, lse, sinks=sinks)
     with pytest.raises(error, match=words):
-        _dispatch.plan_specs(_MERGE_STATE, _MERGE_STATE.options(), _tuning.DEFAULT, two)
+        _dispatch.plan_specs(MERGE_STATE, MERGE_STATE.options(), _tuning.DEFAULT, two)
     many = ManyStateOperands(None, None, _spec((3, 5, 4, 8)), _spec((3, 4, 5), "float32", 4), sinks=sinks)
     with pytest.raises(error, match=words):
-        _dispatch.plan_specs(_MERGE_STATES, _MERGE_STATES.options(), _tuning.DEFAULT, many)
+        _dispatch.plan_specs(MERGE_STATES, MERGE_STATES.options(), _tuning.DEFAULT, many)
 
 
 def test_sinks_plan_their_own_instantiations_and_nothing_changes_without_them():
     values, lse, sinks = _spec((5, 4, 8)), _spec((4, 5), "float32", 4), _spec((4,), "float32", 4)
-    plain = _dispatch.plan_specs(_MERGE_STATE, _MERGE_STATE.options(), _tuning.DEFAULT,
+    plain = _dispatch.plan_specs(MERGE_STATE, MERGE_STATE.options(), _tuning.DEFAULT,
                                  TwoStateOperands(None, None, values, lse, values, lse)).plan[0]  # fmt: skip
-    with_sinks = _dispatch.plan_specs(_MERGE_STATE, _MERGE_STATE.options(), _tuning.DEFAULT,
+    with_sinks = _dispatch.plan_specs(MERGE_STATE, MERGE_STATE.options(), _tuning.DEFAULT,
                                       TwoStateOperands(None, None, values, lse, values, lse, sinks=sinks)).plan[0]  # fmt: skip
     assert plain.module.sinks is False and with_sinks.module.sinks is True
     assert "true>" in with_sinks.kernel and plain.kernel.endswith("false>")
