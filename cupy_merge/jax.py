@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import inspect
 import operator
 import threading
 from typing import Any, NamedTuple
@@ -1327,58 +1328,55 @@ if __name__ != "__main__":  # run as a script (python -m cupy_merge.jax), the pa
     _dispatch.register_jax(_jax_call)
 
 
-# -- options, memoised (eager calls pay for them on every call) -----------------------------------
-
-_option_cache: dict[tuple, Any] = {}
+# -- the public JAX merges: one entry, from the declarations --------------------------------------
 
 
-def _memo(builder, *values: Any) -> Any:
-    """``builder(*values)``, remembered by the values and their types (True is not 1)."""
-    try:
-        key = (builder, values, tuple(map(type, values)))
-        options = _option_cache.get(key)
-    except TypeError:  # an unhashable argument: the builder explains it, or takes it
-        return builder(*values)
-    if options is None:
-        options = builder(*values)
-        if len(_option_cache) < 1024:
-            _option_cache[key] = options
-    return options
+class _EntryPoint(NamedTuple):
+    """What one public JAX merge passes on: its option arguments (those its declaration's options
+    builder takes) and its optional operands (by index into the operand record)."""
+
+    options: tuple[str, ...]
+    optional: tuple[int, ...]
 
 
-def _scales_argument(output_block_scale: Any, quant_group_size: Any) -> Any:
-    if output_block_scale is None and quant_group_size is not None:
-        return _FRESH_SCALES
-    return output_block_scale
+_entry_points: dict[_dispatch.Operation, _EntryPoint] = {}
 
 
-def _two_options(lse_base, prefill, out_dtype, scales, quant_group_size, scale_ue8m0, quant_scale_ue8m0):
-    """The two-way options (``scales``: whether group scales are asked for)."""
-    return _checks.two_state_options(
-        lse_base=lse_base,
-        prefill_tokens_with_context=prefill,
-        out_dtype=out_dtype,
-        output_block_scale=True if scales else None,
-        quant_group_size=quant_group_size,
-        scale_ue8m0=scale_ue8m0,
-        quant_scale_ue8m0=quant_scale_ue8m0,
+def _entry_point(operation: _dispatch.Operation, arguments: dict) -> _EntryPoint:
+    point = _entry_points.get(operation)
+    if point is None:
+        accepted = inspect.signature(operation.options).parameters
+        options = tuple(name for name in arguments if name in accepted and name != "output_block_scale")
+        optional = _OPTIONAL[_family(operation)]
+        point = _entry_points.setdefault(operation, _EntryPoint(options, optional))
+    return point
+
+
+def _merge(operation: _dispatch.Operation, arguments: dict, in_place: bool = False) -> tuple:
+    """A public JAX merge called with ``arguments`` (its own, by name): the jitted function of its
+    call pattern, remembered by the options as given (with their types: True is not 1) and which
+    optional operands are given; the outputs it writes are its results (JAX arrays are immutable)."""
+    point = _entry_point(operation, arguments)
+    names = operation.names
+    arrays = tuple(
+        None if field in ("out", "out_lse") else arguments.get(name) for field, name in zip(names._fields, names)
     )
+    values = tuple(arguments[name] for name in point.options)
+    key = None
+    if arguments.get("check_indptr") is not True:  # check_indptr=True reads indptr on every call
+        key = (operation, _tuning.current(), in_place, values, tuple(map(type, values)),
+               tuple(arrays[index] is None for index in point.optional))  # fmt: skip
 
+    def slow() -> _Route:
+        block_scale = arrays[-1]
+        if block_scale is None and arguments.get("quant_group_size") is not None:
+            block_scale = _FRESH_SCALES  # the merge allocates the group scales
+        given = dict(zip(point.options, values))
+        options = operation.options(**given, output_block_scale=None if block_scale is None else True)
+        operands = type(names)._make((*arrays[:-1], block_scale))
+        return _route(operation, options, operands, in_place)
 
-def _many_options(lse_base, out_dtype, check_indptr, scales, quant_group_size, scale_ue8m0):
-    """The N-way options (``scales``: whether group scales are asked for)."""
-    return _checks.many_state_options(
-        lse_base=lse_base,
-        out_dtype=out_dtype,
-        check_indptr=check_indptr,
-        output_block_scale=True if scales else None,
-        quant_group_size=quant_group_size,
-        scale_ue8m0=scale_ue8m0,
-    )
-
-
-def _in_place_options(lse_base):
-    return _checks.two_state_options(lse_base=lse_base)
+    return _run(key, arrays, slow)
 
 
 def merge_state(
@@ -1474,18 +1472,7 @@ def merge_state(
     >>> v8.dtype, scales.shape  # doctest: +SKIP
     (dtype(float8_e4m3fn), (16, 8))
     """
-    arrays = (None, None, v_a, s_a, v_b, s_b, None, sinks, output_scale, output_block_scale)
-    key = (MERGE_STATE, _tuning.current(), lse_base, type(lse_base), out_dtype, quant_group_size,
-           type(quant_group_size), scale_ue8m0, type(scale_ue8m0), sinks is None, output_scale is None,
-           output_block_scale is None)  # fmt: skip
-
-    def slow():
-        block_scale = _scales_argument(output_block_scale, quant_group_size)
-        options = _memo(_two_options, lse_base, None, out_dtype, block_scale is not None, quant_group_size,
-                        scale_ue8m0, False)  # fmt: skip
-        return _route(MERGE_STATE, options, TwoStateOperands(*arrays[:-1], block_scale))
-
-    return _run(key, arrays, slow)
+    return _merge(MERGE_STATE, locals())
 
 
 def merge_attn_states(
@@ -1563,20 +1550,7 @@ def merge_attn_states(
     >>> float(out[0, 0, 0]), float(out[3, 0, 0])  # doctest: +SKIP
     (2.0, 3.0)
     """
-    arrays = (None, None, prefix_output, prefix_lse, suffix_output, suffix_lse, None, sinks, output_scale,
-              output_block_scale)  # fmt: skip
-    key = (MERGE_ATTN_STATES, _tuning.current(), lse_base, type(lse_base), prefill_tokens_with_context,
-           type(prefill_tokens_with_context), out_dtype, quant_group_size, type(quant_group_size), scale_ue8m0,
-           type(scale_ue8m0), quant_scale_ue8m0, type(quant_scale_ue8m0), sinks is None, output_scale is None,
-           output_block_scale is None)  # fmt: skip
-
-    def slow():
-        block_scale = _scales_argument(output_block_scale, quant_group_size)
-        options = _memo(_two_options, lse_base, prefill_tokens_with_context, out_dtype, block_scale is not None,
-                        quant_group_size, scale_ue8m0, quant_scale_ue8m0)  # fmt: skip
-        return _route(MERGE_ATTN_STATES, options, TwoStateOperands(*arrays[:-1], block_scale))
-
-    return _run(key, arrays, slow)
+    return _merge(MERGE_ATTN_STATES, locals())
 
 
 def merge_state_in_place(
@@ -1629,14 +1603,7 @@ def merge_state_in_place(
     >>> float(v[0, 0, 0]), float(v[1, 0, 0])  # doctest: +SKIP
     (2.0, 1.0)
     """
-    arrays = (None, None, v, s, v_other, s_other, mask, sinks, None, None)
-    key = (MERGE_STATE_IN_PLACE, _tuning.current(), lse_base, type(lse_base), mask is None, sinks is None)
-
-    def slow():
-        options = _memo(_in_place_options, lse_base)
-        return _route(MERGE_STATE_IN_PLACE, options, TwoStateOperands(*arrays), in_place=mask is not None)
-
-    return _run(key, arrays, slow)
+    return _merge(MERGE_STATE_IN_PLACE, locals(), in_place=mask is not None)
 
 
 def merge_states(
@@ -1697,18 +1664,7 @@ def merge_states(
     >>> out.shape, round(float(lse[0, 0]), 4)  # doctest: +SKIP
     ((4, 8, 128), 2.7726)
     """
-    arrays = (None, None, v, s, None, sinks, output_scale, output_block_scale)
-    key = (MERGE_STATES, _tuning.current(), lse_base, type(lse_base), out_dtype, quant_group_size,
-           type(quant_group_size), scale_ue8m0, type(scale_ue8m0), sinks is None, output_scale is None,
-           output_block_scale is None)  # fmt: skip
-
-    def slow():
-        block_scale = _scales_argument(output_block_scale, quant_group_size)
-        options = _memo(_many_options, lse_base, out_dtype, False, block_scale is not None, quant_group_size,
-                        scale_ue8m0)  # fmt: skip
-        return _route(MERGE_STATES, options, ManyStateOperands(*arrays[:-1], block_scale))
-
-    return _run(key, arrays, slow)
+    return _merge(MERGE_STATES, locals())
 
 
 def merge_states_varlen(
@@ -1786,17 +1742,4 @@ def merge_states_varlen(
     >>> float(out[0, 0, 0]), float(out[1, 0, 0]), bool(jnp.isneginf(lse[:, 1]).all())  # doctest: +SKIP
     (1.0, 0.0, True)
     """
-    arrays = (None, None, v, s, indptr, sinks, output_scale, output_block_scale)
-    # check_indptr=True reads indptr on every call: never a remembered route.
-    key = None if check_indptr is not False else (
-        MERGE_STATES_VARLEN, _tuning.current(), lse_base, type(lse_base), out_dtype, quant_group_size,
-        type(quant_group_size), scale_ue8m0, type(scale_ue8m0), sinks is None, output_scale is None,
-        output_block_scale is None)  # fmt: skip
-
-    def slow():
-        block_scale = _scales_argument(output_block_scale, quant_group_size)
-        options = _memo(_many_options, lse_base, out_dtype, check_indptr, block_scale is not None,
-                        quant_group_size, scale_ue8m0)  # fmt: skip
-        return _route(MERGE_STATES_VARLEN, options, ManyStateOperands(*arrays[:-1], block_scale))
-
-    return _run(key, arrays, slow)
+    return _merge(MERGE_STATES_VARLEN, locals())
