@@ -1110,7 +1110,8 @@ def _call(route: _Route, arrays: tuple) -> tuple:
     on a CUDA device (a CPU array would reach the kernels' callback on the CPU), and a weakly
     typed scale (a Python float; float64 under ``jax_enable_x64``) taken as the float32 it means."""
     passed = route.operands(arrays)
-    _check_placement(passed, route.names)
+    # The values decide where XLA runs the merge (arrays on two devices are JAX's own error).
+    _check_placement(passed[:1], route.names)
     if route.scale >= 0:
         scale = passed[route.scale]
         if type(scale) in (float, int):
@@ -1332,9 +1333,11 @@ if __name__ != "__main__":  # run as a script (python -m cupy_merge.jax), the pa
 
 
 class _EntryPoint(NamedTuple):
-    """What one public JAX merge passes on: its option arguments (those its declaration's options
-    builder takes) and its optional operands (by index into the operand record)."""
+    """What one public JAX merge passes on: the argument name of each operand of its record (None
+    for the outputs it returns), its option arguments (those its declaration's options builder
+    takes) and its optional operands (by index into the record)."""
 
+    names: tuple[str | None, ...]
     options: tuple[str, ...]
     optional: tuple[int, ...]
 
@@ -1347,8 +1350,9 @@ def _entry_point(operation: _dispatch.Operation, arguments: dict) -> _EntryPoint
     if point is None:
         accepted = inspect.signature(operation.options).parameters
         options = tuple(name for name in arguments if name in accepted and name != "output_block_scale")
-        optional = _OPTIONAL[_family(operation)]
-        point = _entry_points.setdefault(operation, _EntryPoint(options, optional))
+        records = operation.names
+        names = tuple(None if field in ("out", "out_lse") else name for field, name in zip(records._fields, records))
+        point = _entry_points.setdefault(operation, _EntryPoint(names, options, _OPTIONAL[_family(operation)]))
     return point
 
 
@@ -1356,16 +1360,14 @@ def _merge(operation: _dispatch.Operation, arguments: dict, in_place: bool = Fal
     """A public JAX merge called with ``arguments`` (its own, by name): the jitted function of its
     call pattern, remembered by the options as given (with their types: True is not 1) and which
     optional operands are given; the outputs it writes are its results (JAX arrays are immutable)."""
-    point = _entry_point(operation, arguments)
+    point = _entry_points.get(operation) or _entry_point(operation, arguments)
     names = operation.names
-    arrays = tuple(
-        None if field in ("out", "out_lse") else arguments.get(name) for field, name in zip(names._fields, names)
-    )
-    values = tuple(arguments[name] for name in point.options)
+    arrays = tuple(map(arguments.get, point.names))
+    values = tuple(map(arguments.__getitem__, point.options))
     key = None
     if arguments.get("check_indptr") is not True:  # check_indptr=True reads indptr on every call
         key = (operation, _tuning.current(), in_place, values, tuple(map(type, values)),
-               tuple(arrays[index] is None for index in point.optional))  # fmt: skip
+               tuple([arrays[index] is None for index in point.optional]))  # fmt: skip
 
     def slow() -> _Route:
         block_scale = arrays[-1]
