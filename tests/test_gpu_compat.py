@@ -409,7 +409,7 @@ def test_sglang_merge_state_v2_allocated_in_place_and_enable_pdl(rng, backend, d
     assert dtype_name(got_v) == dtype and tuple(got_s.shape) == (num_tokens, num_heads) and contiguous(got_s)
     expect(got_v, want_v, VALUE_TOL[dtype], "allocated")
     expect(got_s, want_s, LSE_TOL, "allocated")
-    got_v, got_s = sglang.merge_state_v2(v_a, s_a, v_b, s_b, v_a, s_a, False)  # in place into state a
+    got_v, got_s = sglang.merge_state_v2(v_a, s_a, v_b, s_b, v_a, s_a, enable_pdl=False)  # in place into state a
     assert got_v is v_a and got_s is s_a
     expect(v_a, want_v, VALUE_TOL[dtype], "in place")
     expect(s_a, want_s, LSE_TOL, "in place")
