@@ -6,8 +6,9 @@ repository's top-level ``cuda_src/``). A :class:`~cupy_merge._catalogue.Module`
 for one architecture by :func:`compile_module`, for the GPU at hand or ahead of
 time (``python -m cupy_merge --arch 90``) alike, and kept on disk in
 :func:`cache_folder` keyed by what went in (source, options, instantiations,
-architecture): a later process, or a GPU machine fed by an ``--arch`` run
-elsewhere, loads the binary without calling NVRTC at all. Binaries are loaded
+architecture, the library's version and the entry format): a later process, or a
+GPU machine fed by an ``--arch`` run elsewhere, loads the binary without calling
+NVRTC at all; an entry that cannot be used is compiled again and replaced. Binaries are loaded
 with the driver (through CuPy) once per device, and each kernel is looked up
 once per device.
 
@@ -42,6 +43,7 @@ import cupy
 import numpy
 
 from . import _catalogue as cat
+from . import _version
 from ._plan import KernelLaunch
 
 _INCLUDE = re.compile(r'^#include "([^"]+)"\n', re.MULTILINE)
@@ -167,22 +169,53 @@ def cache_folder() -> pathlib.Path:
     return pathlib.Path(cupy_folder) / "cupy_merge"
 
 
+#: The layout of a cache entry. It is part of the key, with the library's version, so an entry
+#: another version wrote (another layout, or kernels from other sources) is never read.
+CACHE_FORMAT = 2
+
+
 def _cache_file(module: cat.Module, target: Target) -> pathlib.Path:
-    key = [kernel_source(module.source), list(module.options), cat.module_instances(module), target.option]
+    key = [CACHE_FORMAT, _version.__version__, kernel_source(module.source), list(module.options),
+           cat.module_instances(module), target.option]  # fmt: skip
     return cache_folder() / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]}.json"
 
 
 def cached(module: cat.Module, target: Target) -> Compiled | None:
-    """The module compiled for ``target`` earlier, by this process or another; None if never."""
+    """The module compiled for ``target`` earlier, by this process or another; None if never.
+
+    An entry that cannot be used (damaged, half written, or of another shape) is a miss too,
+    logged on the ``cupy_merge`` logger: the caller compiles the module again and replaces it.
+    """
     names_file = _cache_file(module, target)
-    try:
-        entry = json.loads(names_file.read_text())
-        binary = names_file.with_suffix(".bin").read_bytes()
-    except (OSError, ValueError):
+    if not names_file.exists():
         return None
-    if hashlib.sha256(binary).hexdigest() != entry.get("sha256"):
-        return None  # a binary written by a process that died half way
-    return Compiled(binary, entry["names"], target.ptx)
+    try:
+        return _read_entry(names_file, cat.module_instances(module), target.ptx)
+    except (OSError, ValueError, _UnusableEntry) as error:
+        _log.warning("the kernel cache entry %s cannot be used (%s): compiling %s again", names_file,
+                     error, module.source)  # fmt: skip
+        return None
+
+
+class _UnusableEntry(Exception):
+    """A cache entry of another shape than :func:`_store` writes; the message says what is wrong."""
+
+
+def _read_entry(names_file: pathlib.Path, kernels: list[str], ptx: bool) -> Compiled:
+    """The entry in ``names_file`` and its binary; ``_UnusableEntry`` (or the error of reading or
+    decoding it) saying why it cannot be used."""
+    entry = json.loads(names_file.read_text(encoding="utf-8"))
+    if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+        raise _UnusableEntry("not an entry: expected an object with a sha256 digest")
+    names = entry.get("names")
+    if not isinstance(names, dict) or not all(isinstance(name, str) for name in names.values()):
+        raise _UnusableEntry("no lowered names: expected an object of kernel -> name")
+    if set(names) != set(kernels):
+        raise _UnusableEntry(f"names {len(names)} kernels, the module has {len(kernels)}")
+    binary = names_file.with_suffix(".bin").read_bytes()
+    if hashlib.sha256(binary).hexdigest() != entry["sha256"]:
+        raise _UnusableEntry("the binary does not match its digest")  # a process that died half way
+    return Compiled(binary, names, ptx)
 
 
 def compile_module(module: cat.Module, target: Target, *, cache: bool = True) -> Compiled:
