@@ -284,21 +284,35 @@ def _compile_into_cache(module: cat.Module, target: Target) -> int:
     return len(compile_module(module, target).names)
 
 
-def compile_ahead(target: Target, modules: list[cat.Module], *, progress: bool | None = None) -> int:
+#: How often ahead-of-time compiling reports progress where standard error is not a terminal (a log).
+PROGRESS_SECONDS = 10.0
+
+
+def compile_ahead(target: Target, modules: list[cat.Module], *, progress: bool = True) -> int:
     """Compile every module of ``modules`` for ``target`` into the disk cache, in parallel where
     cores allow (NVRTC holds the interpreter's lock, so worker processes); returns how many
-    kernel instantiations they hold. ``progress``: "N of M modules" on standard error (default:
-    when it is a terminal)."""
-    progress = sys.stderr.isatty() if progress is None else progress
+    kernel instantiations they hold.
+
+    ``progress``: how many modules are done, on standard error: one line rewritten on a
+    terminal; elsewhere (a log) a line at the start, every :data:`PROGRESS_SECONDS` and at the end.
+    """
     pending = [module for module in modules if cached(module, target) is None]
     done = len(modules) - len(pending)
+    label = f"compiling {len(modules)} kernel modules for {target.option.split('=')[1]} ({done} in the cache already)"
+    terminal = sys.stderr.isatty()
+    started = reported = time.perf_counter()
 
-    def report() -> None:
-        if progress:
-            print(f"\rcompiling kernel modules for {target.option.split('=')[1]}: {done} of {len(modules)}",
-                  end="" if done < len(modules) else "\n", file=sys.stderr, flush=True)  # fmt: skip
+    def report(first: bool = False) -> None:
+        nonlocal reported
+        now = time.perf_counter()
+        last = done == len(modules)
+        if progress and (first or last or terminal or now - reported >= PROGRESS_SECONDS):
+            reported = now
+            line = f"{label}: {done} done, {now - started:.0f} s"
+            print("\r" + line if terminal else line, end="" if terminal and not last else "\n",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
-    report()
+    report(first=True)
     workers = min(len(pending), os.cpu_count() or 1)
     if workers > 1:
         nvrtc_version()  # a missing NVRTC is said once, here, not by every worker
@@ -316,6 +330,27 @@ def compile_ahead(target: Target, modules: list[cat.Module], *, progress: bool |
             done += 1
             report()
     return sum(len(cat.module_instances(module)) for module in modules)
+
+
+class CacheFolderError(RuntimeError):
+    """The kernel cache folder cannot be used, or did not keep what was compiled into it; the
+    message names the folder and why."""
+
+
+def writable_cache_folder() -> pathlib.Path:
+    """:func:`cache_folder`, created if need be and written to once (a probe file, then removed);
+    :class:`CacheFolderError` naming it and the reason when it cannot be."""
+    folder = cache_folder()
+    probe = folder / f".probe.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise CacheFolderError(
+            f"the kernel cache folder {folder} (CUPY_MERGE_CACHE_DIR) cannot be written: {error}"
+        ) from None
+    return folder
 
 
 # -- loading ------------------------------------------------------------------------------------
