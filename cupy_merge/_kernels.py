@@ -94,12 +94,14 @@ def _read(name: str) -> str:
 
 @functools.cache
 def _source_folder():
-    """The shipped ``cuda_src`` (a package resource); in a source tree imported as it is (an
-    unpacked sdist, a checkout on ``PYTHONPATH``), the top-level ``cuda_src/`` beside the package."""
-    try:
-        return importlib.resources.files("cupy_merge.cuda_src")
-    except ModuleNotFoundError:
-        return pathlib.Path(__file__).resolve().parent.parent / "cuda_src"
+    """The imported package's own kernel source. In a source tree (a checkout or an unpacked sdist,
+    installed editable or not), the top-level ``cuda_src/`` beside the package: the package resource
+    would be whatever an install put on the path, another copy's sources when the tree is imported
+    ahead of it. Otherwise the shipped package resource ``cupy_merge.cuda_src``."""
+    beside = pathlib.Path(__file__).resolve().parent.parent / "cuda_src"
+    if (beside / cat.TWO_STATES_SOURCE).is_file():
+        return beside
+    return importlib.resources.files("cupy_merge.cuda_src")
 
 
 def with_includes(source: str, seen: set[str] | None = None) -> str:
