@@ -8,9 +8,9 @@ time (``python -m cupy_merge --arch 90``) alike, and kept on disk in
 :func:`cache_folder` keyed by what went in (source, options, instantiations,
 architecture, the library's version and the entry format): a later process, or a
 GPU machine fed by an ``--arch`` run elsewhere, loads the binary without calling
-NVRTC at all; an entry that cannot be used is compiled again and replaced. Binaries are loaded
-with the driver (through CuPy) once per device, and each kernel is looked up
-once per device.
+NVRTC at all; an entry that cannot be used is compiled again and replaced.
+Binaries are loaded with the driver (through CuPy) once per device, and each
+kernel is looked up once per device.
 
 A launch goes straight to ``cuLaunchKernel`` with the arguments packed once
 into an int64 buffer (every kernel parameter is a pointer or an integer;

@@ -49,7 +49,8 @@ def _compile_and_keep(arch: str, modules: list[_catalogue.Module]) -> tuple[int,
     if kept < len(modules):
         raise _kernels.CacheFolderError(
             f"{kept} of {len(modules)} kernel modules compiled for sm_{arch} were kept in {folder} "
-            "(CUPY_MERGE_CACHE_DIR); the warnings above say why"
+            "(CUPY_MERGE_CACHE_DIR): the others could not be written there or were removed since "
+            "(see any warning above)"
         )
     return count, folder, time.perf_counter() - started
 
