@@ -26,9 +26,10 @@ def _program_name() -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=_program_name(),
-        description="With no option: print the environment, compile the kernels and check merges on the "
-        "GPU against a float64 reference (without a GPU: compile for sm_90 only). Exit status 0 when "
-        "everything passed, 1 when a check failed or CuPy or NVRTC is missing, 2 on bad options.",
+        description="With no option: print the environment, compile the same-dtype merges' kernels and "
+        "check merges on the GPU against a float64 reference (without a GPU: compile them for sm_90 "
+        "only). Exit status 0 when everything passed, 1 when a check failed, CuPy or NVRTC is missing "
+        "or the cache folder cannot be written, 2 on bad options.",
     )
     parser.add_argument("--version", action="version", version=f"cupy-merge {__version__}")
     action = parser.add_mutually_exclusive_group()
@@ -38,8 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     action.add_argument(
         "--arch",
         metavar="SM",
-        help="compile every kernel for this architecture (e.g. 90 or sm_90) with NVRTC alone, no GPU "
-        "needed; kept on disk, where a GPU of that architecture loads it without NVRTC",
+        help="compile every kernel module for this architecture (e.g. 90 or sm_90) with NVRTC alone, no "
+        "GPU needed, into the cache folder (CUPY_MERGE_CACHE_DIR; checked first), where a GPU of that "
+        "architecture loads them without NVRTC; progress on standard error",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log each compilation and its time")
     return parser
@@ -67,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     except environment.Missing as missing:
         print(f"{parser.prog}: {missing}", file=sys.stderr)
         return 1
-    except RuntimeError as error:  # NVRTC missing part way (a cold cache on a GPU machine)
-        if type(error).__name__ != "NvrtcMissing":
+    except RuntimeError as error:  # NVRTC missing part way (a cold cache on a GPU machine), a cache folder
+        if type(error).__name__ not in ("NvrtcMissing", "CacheFolderError"):  # that cannot be written
             raise
         print(f"{parser.prog}: {error}", file=sys.stderr)
         return 1

@@ -6,10 +6,11 @@ repository's top-level ``cuda_src/``). A :class:`~cupy_merge._catalogue.Module`
 for one architecture by :func:`compile_module`, for the GPU at hand or ahead of
 time (``python -m cupy_merge --arch 90``) alike, and kept on disk in
 :func:`cache_folder` keyed by what went in (source, options, instantiations,
-architecture): a later process, or a GPU machine fed by an ``--arch`` run
-elsewhere, loads the binary without calling NVRTC at all. Binaries are loaded
-with the driver (through CuPy) once per device, and each kernel is looked up
-once per device.
+architecture, the library's version and the entry format): a later process, or a
+GPU machine fed by an ``--arch`` run elsewhere, loads the binary without calling
+NVRTC at all; an entry that cannot be used is compiled again and replaced.
+Binaries are loaded with the driver (through CuPy) once per device, and each
+kernel is looked up once per device.
 
 A launch goes straight to ``cuLaunchKernel`` with the arguments packed once
 into an int64 buffer (every kernel parameter is a pointer or an integer;
@@ -42,6 +43,7 @@ import cupy
 import numpy
 
 from . import _catalogue as cat
+from . import _version
 from ._plan import KernelLaunch
 
 _INCLUDE = re.compile(r'^#include "([^"]+)"\n', re.MULTILINE)
@@ -92,12 +94,14 @@ def _read(name: str) -> str:
 
 @functools.cache
 def _source_folder():
-    """The shipped ``cuda_src`` (a package resource); in a source tree imported as it is (an
-    unpacked sdist, a checkout on ``PYTHONPATH``), the top-level ``cuda_src/`` beside the package."""
-    try:
-        return importlib.resources.files("cupy_merge.cuda_src")
-    except ModuleNotFoundError:
-        return pathlib.Path(__file__).resolve().parent.parent / "cuda_src"
+    """The imported package's own kernel source. In a source tree (a checkout or an unpacked sdist,
+    installed editable or not), the top-level ``cuda_src/`` beside the package: the package resource
+    would be whatever an install put on the path, another copy's sources when the tree is imported
+    ahead of it. Otherwise the shipped package resource ``cupy_merge.cuda_src``."""
+    beside = pathlib.Path(__file__).resolve().parent.parent / "cuda_src"
+    if (beside / cat.TWO_STATES_SOURCE).is_file():
+        return beside
+    return importlib.resources.files("cupy_merge.cuda_src")
 
 
 def with_includes(source: str, seen: set[str] | None = None) -> str:
@@ -167,22 +171,53 @@ def cache_folder() -> pathlib.Path:
     return pathlib.Path(cupy_folder) / "cupy_merge"
 
 
+#: The layout of a cache entry. It is part of the key, with the library's version, so an entry
+#: another version wrote (another layout, or kernels from other sources) is never read.
+CACHE_FORMAT = 2
+
+
 def _cache_file(module: cat.Module, target: Target) -> pathlib.Path:
-    key = [kernel_source(module.source), list(module.options), cat.module_instances(module), target.option]
+    key = [CACHE_FORMAT, _version.__version__, kernel_source(module.source), list(module.options),
+           cat.module_instances(module), target.option]  # fmt: skip
     return cache_folder() / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]}.json"
 
 
 def cached(module: cat.Module, target: Target) -> Compiled | None:
-    """The module compiled for ``target`` earlier, by this process or another; None if never."""
+    """The module compiled for ``target`` earlier, by this process or another; None if never.
+
+    An entry that cannot be used (damaged, half written, or of another shape) is a miss too,
+    logged on the ``cupy_merge`` logger: the caller compiles the module again and replaces it.
+    """
     names_file = _cache_file(module, target)
-    try:
-        entry = json.loads(names_file.read_text())
-        binary = names_file.with_suffix(".bin").read_bytes()
-    except (OSError, ValueError):
+    if not names_file.exists():
         return None
-    if hashlib.sha256(binary).hexdigest() != entry.get("sha256"):
-        return None  # a binary written by a process that died half way
-    return Compiled(binary, entry["names"], target.ptx)
+    try:
+        return _read_entry(names_file, cat.module_instances(module), target.ptx)
+    except (OSError, ValueError, _UnusableEntry) as error:
+        _log.warning("the kernel cache entry %s cannot be used (%s): compiling %s again", names_file,
+                     error, module.source)  # fmt: skip
+        return None
+
+
+class _UnusableEntry(Exception):
+    """A cache entry of another shape than :func:`_store` writes; the message says what is wrong."""
+
+
+def _read_entry(names_file: pathlib.Path, kernels: list[str], ptx: bool) -> Compiled:
+    """The entry in ``names_file`` and its binary; ``_UnusableEntry`` (or the error of reading or
+    decoding it) saying why it cannot be used."""
+    entry = json.loads(names_file.read_text(encoding="utf-8"))
+    if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+        raise _UnusableEntry("not an entry: expected an object with a sha256 digest")
+    names = entry.get("names")
+    if not isinstance(names, dict) or not all(isinstance(name, str) for name in names.values()):
+        raise _UnusableEntry("no lowered names: expected an object of kernel -> name")
+    if set(names) != set(kernels):
+        raise _UnusableEntry(f"names {len(names)} kernels, the module has {len(kernels)}")
+    binary = names_file.with_suffix(".bin").read_bytes()
+    if hashlib.sha256(binary).hexdigest() != entry["sha256"]:
+        raise _UnusableEntry("the binary does not match its digest")  # a process that died half way
+    return Compiled(binary, names, ptx)
 
 
 def compile_module(module: cat.Module, target: Target, *, cache: bool = True) -> Compiled:
@@ -251,21 +286,35 @@ def _compile_into_cache(module: cat.Module, target: Target) -> int:
     return len(compile_module(module, target).names)
 
 
-def compile_ahead(target: Target, modules: list[cat.Module], *, progress: bool | None = None) -> int:
+#: How often ahead-of-time compiling reports progress where standard error is not a terminal (a log).
+PROGRESS_SECONDS = 10.0
+
+
+def compile_ahead(target: Target, modules: list[cat.Module], *, progress: bool = True) -> int:
     """Compile every module of ``modules`` for ``target`` into the disk cache, in parallel where
     cores allow (NVRTC holds the interpreter's lock, so worker processes); returns how many
-    kernel instantiations they hold. ``progress``: "N of M modules" on standard error (default:
-    when it is a terminal)."""
-    progress = sys.stderr.isatty() if progress is None else progress
+    kernel instantiations they hold.
+
+    ``progress``: how many modules are done, on standard error: one line rewritten on a
+    terminal; elsewhere (a log) a line at the start, every :data:`PROGRESS_SECONDS` and at the end.
+    """
     pending = [module for module in modules if cached(module, target) is None]
     done = len(modules) - len(pending)
+    label = f"compiling {len(modules)} kernel modules for {target.option.split('=')[1]} ({done} in the cache already)"
+    terminal = sys.stderr.isatty()
+    started = reported = time.perf_counter()
 
-    def report() -> None:
-        if progress:
-            print(f"\rcompiling kernel modules for {target.option.split('=')[1]}: {done} of {len(modules)}",
-                  end="" if done < len(modules) else "\n", file=sys.stderr, flush=True)  # fmt: skip
+    def report(first: bool = False) -> None:
+        nonlocal reported
+        now = time.perf_counter()
+        last = done == len(modules)
+        if progress and (first or last or terminal or now - reported >= PROGRESS_SECONDS):
+            reported = now
+            line = f"{label}: {done} done, {now - started:.0f} s"
+            print("\r" + line if terminal else line, end="" if terminal and not last else "\n",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
-    report()
+    report(first=True)
     workers = min(len(pending), os.cpu_count() or 1)
     if workers > 1:
         nvrtc_version()  # a missing NVRTC is said once, here, not by every worker
@@ -283,6 +332,27 @@ def compile_ahead(target: Target, modules: list[cat.Module], *, progress: bool |
             done += 1
             report()
     return sum(len(cat.module_instances(module)) for module in modules)
+
+
+class CacheFolderError(RuntimeError):
+    """The kernel cache folder cannot be used, or did not keep what was compiled into it; the
+    message names the folder and why."""
+
+
+def writable_cache_folder() -> pathlib.Path:
+    """:func:`cache_folder`, created if need be and written to once (a probe file, then removed);
+    :class:`CacheFolderError` naming it and the reason when it cannot be."""
+    folder = cache_folder()
+    probe = folder / f".probe.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise CacheFolderError(
+            f"the kernel cache folder {folder} (CUPY_MERGE_CACHE_DIR) cannot be written: {error}"
+        ) from None
+    return folder
 
 
 # -- loading ------------------------------------------------------------------------------------

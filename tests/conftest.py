@@ -29,6 +29,12 @@ def pytest_addoption(parser):
         action="store_true",
         help="plan every merge on the general (strided) kernels, as for arrays the packed ones do not take",
     )
+    parser.addoption(
+        "--all-instantiations",
+        action="store_true",
+        help="also run the exhaustive tests (marked exhaustive): NVRTC compiles of every kernel "
+        "instantiation and the larger gloo worlds, about 12 minutes on two cores",
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -45,9 +51,13 @@ def _strided_kernels(request):
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip_exhaustive = pytest.mark.skip(reason="exhaustive: run with --all-instantiations")
+    exhaustive = config.getoption("--all-instantiations")
     for item in items:
         if "gpu" in item.keywords and GPU_COUNT == 0:
             item.add_marker(skip)
+        if "exhaustive" in item.keywords and not exhaustive:
+            item.add_marker(skip_exhaustive)
 
 
 @pytest.fixture

@@ -49,17 +49,19 @@ def test_info_prints_the_environment_and_compiles_nothing(monkeypatch, capsys):
     assert out.splitlines() == environment.lines()
 
 
-def test_arch_compiles_every_module_for_that_architecture(monkeypatch, capsys):
+def test_arch_compiles_every_module_for_that_architecture(monkeypatch, capsys, tmp_path):
     from cupy_merge import _catalogue, _kernels
 
     calls = []
+    monkeypatch.setenv("CUPY_MERGE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_kernels, "supported_architectures", lambda: (75, 80, 89, 90))
     monkeypatch.setattr(
         _kernels, "compile_ahead", lambda target, modules, **kwargs: calls.append((target, modules)) or 1234
     )
+    monkeypatch.setattr(_kernels, "cached", lambda module, target: (module, target))  # every module kept
     assert cli.main(["--arch", "sm_89"]) == 0
     assert calls == [(_kernels.Target("89"), _catalogue.every_module())]  # with sinks and without
-    assert "1234 kernel instantiations for sm_89 ready" in capsys.readouterr().out
+    assert f"1234 kernel instantiations (87 modules) for sm_89 kept in {tmp_path}" in capsys.readouterr().out
 
 
 def test_an_architecture_this_nvrtc_does_not_know_is_a_usage_error_listing_those_it_does(monkeypatch, capsys):

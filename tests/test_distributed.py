@@ -48,7 +48,7 @@ def _run_ranks(target, world: int, args_of_rank, timeout: float = 180) -> None:
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.exhaustive)])  # 8: 28 s on 2 cores
 def test_gloo_ranks_on_the_cpu_merge_to_attention_over_the_whole_kv(world):
     pytest.importorskip("torch")
     from distributed_worker import run_rank
@@ -57,7 +57,7 @@ def test_gloo_ranks_on_the_cpu_merge_to_attention_over_the_whole_kv(world):
     _run_ranks(run_rank, world, lambda rank: (rank, world, init, "gloo", ["float32", "bfloat16", "float16"]))
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.exhaustive)])  # 4: 14 s on 2 cores
 def test_gloo_ranks_count_the_sinks_once_over_all_ranks(world):
     pytest.importorskip("torch")
     from distributed_worker import run_sinks_rank

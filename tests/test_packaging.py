@@ -20,12 +20,24 @@ def _shipped_sources() -> list[str]:
     return sorted(path.name for path in (ROOT / "cuda_src").iterdir() if path.suffix in (".cu", ".cuh"))
 
 
-def test_installed_package_loads_the_kernel_source_as_a_resource():
+def test_the_kernel_source_read_is_the_imported_packages_own():
+    """An installed package (a wheel) reads the package resource ``cupy_merge.cuda_src`` inside it;
+    a source tree (a checkout or an unpacked sdist: installed editable, not installed, or imported
+    ahead of an installed wheel) reads the top-level ``cuda_src/`` beside its ``cupy_merge/``, never
+    another copy's."""
     import re
 
+    import cupy_merge
     from cupy_merge import _kernels
 
-    folder = importlib.resources.files("cupy_merge.cuda_src")
+    package = pathlib.Path(cupy_merge.__file__).resolve().parent
+    in_a_source_tree = (package.parent / "pyproject.toml").is_file()
+    folder = _kernels._source_folder()
+    if in_a_source_tree:
+        assert pathlib.Path(str(folder)).resolve() == package.parent / "cuda_src"
+    else:
+        assert folder == importlib.resources.files("cupy_merge.cuda_src")
+        assert pathlib.Path(str(folder)).resolve() == package / "cuda_src"
     assert "__global__ void merge_two_states" in (folder / "merge_two_states.cu").read_text()
     for header in HEADERS:
         assert (folder / header).is_file(), header

@@ -62,8 +62,11 @@ def _at_least(version: str | None, minimum: tuple[int, ...]) -> bool:
     return tuple(parts) >= minimum
 
 
-def lines() -> list[str]:
-    """Versions, devices, integrations and configuration, one fact a line; compiles nothing."""
+def lines(brief: bool = False) -> list[str]:
+    """Versions, devices, integrations and configuration, one fact a line; compiles nothing.
+
+    ``brief`` (the self-check's): the architectures NVRTC targets as a range and the compile
+    options as a count, where ``--info`` lists each."""
     out = [f"cupy-merge {__version__}, Python {platform.python_version()} ({sys.executable})"]
     cupy_dist = _first_version("cupy-cuda13x", "cupy-cuda12x", "cupy")
     try:
@@ -77,7 +80,10 @@ def lines() -> list[str]:
 
         try:
             major, minor = _kernels.nvrtc_version()
-            out.append(f"NVRTC {major}.{minor}, compiles for sm_{', sm_'.join(map(str, _kernels.supported_architectures()))}")
+            known = _kernels.supported_architectures()
+            targets = (f"{len(known)} architectures, sm_{known[0]} to sm_{known[-1]}" if brief
+                       else f"sm_{', sm_'.join(map(str, known))}")  # fmt: skip
+            out.append(f"NVRTC {major}.{minor}, compiles for {targets}")
         except RuntimeError as error:
             out.append(str(error))
     torch_version, jax_version = _version("torch"), _version("jax")
@@ -94,8 +100,14 @@ def lines() -> list[str]:
         from .. import _kernels, _tuning
 
         tuning = _tuning.DEFAULT
-        out.append(f"kernels compiled with {' '.join(tuning.compile_options)}; packed kernels "
-                   f"{'on' if tuning.packed_kernels else 'off'}; programmatic launch "
+        options = tuning.compile_options
+        if brief:
+            tuned = "the defaults" if options == _tuning.Tuning().compile_options else "not the defaults"
+            out.append(f"compile options: {options[0]} and {len(options) - 1} -DMERGE_* tuning values, "
+                       f"{tuned} (--info lists them)")  # fmt: skip
+        else:
+            out.append(f"kernels compiled with {' '.join(options)}")
+        out.append(f"packed kernels {'on' if tuning.packed_kernels else 'off'}; programmatic launch "
                    f"{'on' if tuning.programmatic_launch else 'off'} (sm_90 and newer)")  # fmt: skip
         out.append(f"compiled kernels are kept in {_kernels.cache_folder()} (CUPY_MERGE_CACHE_DIR)")
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import time
 
 import cupy
@@ -21,13 +22,44 @@ SELF_CHECK_CASES = [
 MANY_STATES_CASES = [(16, 64, 32, 128, "bfloat16"), (4, 4096, 32, 128, "float16")]
 
 
+#: What the self-check compiles, in words (``_catalogue.same_dtype_modules``).
+SAME_DTYPE_MERGES = "the two-way and N-way merges with the same input and output dtype"
+
+
 def compile_ahead(arch: str, modules: list[_catalogue.Module] | None = None) -> str:
     """Compile ``modules`` (default: all) for ``sm_<arch>`` with NVRTC alone, into the disk cache
-    a GPU of that architecture loads without NVRTC; a line saying so."""
-    started = time.perf_counter()
+    a GPU of that architecture loads without NVRTC; a line saying how many, where and how long.
+
+    Raises :class:`~cupy_merge._kernels.CacheFolderError` naming the cache folder when it
+    cannot be written (before compiling) or did not keep every module (after).
+    """
     modules = _catalogue.every_module() if modules is None else modules
-    count = _kernels.compile_ahead(_kernels.Target(arch), modules)
-    return f"{count} kernel instantiations for sm_{arch} ready in {time.perf_counter() - started:.2f} s"
+    count, folder, seconds = _compile_and_keep(arch, modules)
+    return f"{count} kernel instantiations ({len(modules)} modules) for sm_{arch} kept in {folder} in {seconds:.2f} s"
+
+
+def _compile_and_keep(arch: str, modules: list[_catalogue.Module]) -> tuple[int, pathlib.Path, float]:
+    """Compile ``modules`` for ``sm_<arch>`` into a cache folder checked first and counted after:
+    how many instantiations, the folder, the seconds taken."""
+    started = time.perf_counter()
+    folder = _kernels.writable_cache_folder()
+    target = _kernels.Target(arch)
+    count = _kernels.compile_ahead(target, modules)
+    kept = sum(_kernels.cached(module, target) is not None for module in modules)
+    if kept < len(modules):
+        raise _kernels.CacheFolderError(
+            f"{kept} of {len(modules)} kernel modules compiled for sm_{arch} were kept in {folder} "
+            "(CUPY_MERGE_CACHE_DIR): the others could not be written there or were removed since "
+            "(see any warning above)"
+        )
+    return count, folder, time.perf_counter() - started
+
+
+def _share(count: int, modules: list[_catalogue.Module]) -> str:
+    """``count`` instantiations of ``modules`` (the self-check's) as a share of every module's."""
+    every = _catalogue.every_module()
+    total = sum(len(_catalogue.module_instances(module)) for module in every)
+    return f"{count} of {total} kernel instantiations ({len(modules)} of {len(every)} modules: {SAME_DTYPE_MERGES})"
 
 
 def _random_state(tokens, heads, head_size, rng):
@@ -102,18 +134,24 @@ def _cupy_dtype(name: str):
 def run() -> int:
     """The self-check: environment, compilation, checked merges on the GPU; 0 when all pass.
 
-    Without a GPU it compiles every same-dtype kernel for sm_90 with NVRTC (cached on
-    disk, so a second run is fast), says there is nothing to run, and succeeds.
+    It compiles the same-dtype merges' kernels (``python -m cupy_merge --arch`` compiles every
+    module); without a GPU, for sm_90 with NVRTC alone (kept on disk, so a second run is fast),
+    then says there is nothing to run and succeeds.
     """
-    print("\n".join(environment.lines()))
+    print("\n".join(environment.lines(brief=True)))
     modules = _catalogue.same_dtype_modules()
     if not cupy.cuda.is_available():
-        print(compile_ahead("90", modules))
+        count, folder, seconds = _compile_and_keep("90", modules)
+        print(f"{_share(count, modules)} for sm_90 kept in {folder} ({seconds:.2f} s); "
+              "python -m cupy_merge --arch 90 compiles all of them")  # fmt: skip
         print("no GPU here: nothing to run; the kernels compile")
         return 0
     started = time.perf_counter()
-    count = _kernels.compile_modules(cupy.cuda.runtime.getDevice(), modules)
-    print(f"compiled {count} kernel instantiations in {time.perf_counter() - started:.2f} s")
+    device = cupy.cuda.runtime.getDevice()
+    count = _kernels.compile_modules(device, modules)
+    target = _kernels.device_target(device)
+    print(f"{_share(count, modules)} loaded on device {device} "
+          f"({target.option.split('=')[1]}) in {time.perf_counter() - started:.2f} s")  # fmt: skip
     rng = numpy.random.default_rng()
     results = [_check_case(*case, rng) for case in SELF_CHECK_CASES]
     results += [_check_many(*case, rng) for case in MANY_STATES_CASES]
