@@ -1325,8 +1325,7 @@ def _apply_backward(operation: _dispatch.Operation, options: Any, operands: Back
     return tuple(grads)
 
 
-if __name__ != "__main__":  # run as a script (python -m cupy_merge.jax), the package's copy registers
-    _dispatch.register_jax(_jax_call)
+_dispatch.register_jax(_jax_call)
 
 
 # -- the public JAX merges: one entry, from the declarations --------------------------------------

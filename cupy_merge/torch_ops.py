@@ -640,8 +640,7 @@ def _make_functions(torch: Any) -> dict[str, Any]:
     return {op.name: _make_function(torch, op) for op in _ops.OPERATIONS.values() if op.backward is not None}
 
 
-if __name__ != "__main__":
-    _dispatch.register_compiler(_compiling, _compiled_call)
-    _dispatch.register_autograd(_grad_enabled, _autograd_call)
-    if "torch" in sys.modules and hasattr(sys.modules["torch"], "library"):
-        _bind(sys.modules["torch"])  # torch came first: the ops exist from now on
+_dispatch.register_compiler(_compiling, _compiled_call)
+_dispatch.register_autograd(_grad_enabled, _autograd_call)
+if "torch" in sys.modules and hasattr(sys.modules["torch"], "library"):
+    _bind(sys.modules["torch"])  # torch came first: the ops exist from now on
