@@ -706,20 +706,34 @@ def _rule_two(cfg: _Config, size: int, in_batched: list, *args: Any):
         if cut < tokens:
             return _sequential(cfg, size, in_batched, args)
         cfg = cfg._replace(options=cfg.options._replace(merge_tokens=None))
-    folded = []
-    for field, x in zip(cfg.fields, args):
-        if field in ("v_a", "v_b", "mask", "output_block_scale"):
-            folded.append(_fold_rows(x, batched[field], size))
-        elif field in ("s_a", "s_b"):
-            folded.append(_lse_token_major(x, cfg.layout(field), batched[field], size))
-        else:
-            folded.append(x)
-    layouts = tuple(
-        "th" if field in ("s_a", "s_b") else layout for field, layout in zip(cfg.fields, cfg.layouts)
-    )
-    inner = cfg._replace(layouts=layouts, out_layout="th")
-    outputs = _batched(inner)(*folded)
+    folded, inner = _fold_tokens(cfg, size, in_batched, args)
+    outputs = _batched(inner._replace(out_layout="th"))(*folded)
     return _unfold(cfg, outputs, size, tokens), (True,) * len(outputs)
+
+
+#: How a batch folds into the tokens of each operand of a two-way merge and its gradient: "rows"
+#: ([B, T, ...] -> [B * T, ...], free), "lse" ([B, H, T] or [B, T, H] -> token-major [B * T, H]),
+#: "shared" (one for the whole batch: the sinks, the scale).
+_FOLDS = {
+    "v_a": "rows", "v_b": "rows", "v": "rows", "mask": "rows", "output_block_scale": "rows", "grad_out": "rows",
+    "merged": "rows", "s_a": "lse", "s_b": "lse", "s": "lse", "grad_lse": "lse", "merged_lse": "lse",
+    "sinks": "shared", "output_scale": "shared",
+}  # fmt: skip
+
+
+def _fold_tokens(cfg: _Config, size: int, in_batched: list, args: tuple) -> tuple[list, _Config]:
+    """A two-way merge's (or gradient's) operands with the batch folded into their tokens, and the
+    config of the folded call (LSEs token-major)."""
+    folded, layouts = [], []
+    for field, layout, x, batched in zip(cfg.fields, cfg.layouts, args, in_batched):
+        fold = _FOLDS[field]
+        if fold == "rows":
+            x = _fold_rows(x, batched, size)
+        elif fold == "lse":
+            x, layout = _lse_token_major(x, layout, batched, size), "th"
+        folded.append(x)
+        layouts.append(layout)
+    return folded, cfg._replace(layouts=tuple(layouts))
 
 
 def _rule_many(cfg: _Config, size: int, in_batched: list, *args: Any):
@@ -925,18 +939,12 @@ def _rule_two_backward(cfg: _Config, size: int, in_batched: list, *args: Any):
     if not (batched["v"] and batched["v_b"]) or "sinks" in given:
         return _backward_sequential(cfg, size, in_batched, args)
     tokens = given["v"].shape[-3]
-    lses = ("s", "s_b", "grad_lse", "merged_lse")
-    folded = [
-        _lse_token_major(x, cfg.layout(field), batched[field], size) if field in lses
-        else _fold_rows(x, batched[field], size)
-        for field, x in zip(cfg.fields, args)
-    ]  # fmt: skip
-    layouts = tuple("th" if field in lses else layout for field, layout in zip(cfg.fields, cfg.layouts))
-    grad_v, grad_s, grad_v_b, grad_s_b = _backward_batched(cfg._replace(layouts=layouts))(*folded)
-    results = (
-        _rows_unfold(grad_v, size, tokens), _lse_unfold(grad_s, size, tokens, cfg.layout("s")),
-        _rows_unfold(grad_v_b, size, tokens), _lse_unfold(grad_s_b, size, tokens, cfg.layout("s_b")),
-    )  # fmt: skip
+    folded, inner = _fold_tokens(cfg, size, in_batched, args)
+    grads = _backward_batched(inner)(*folded)
+    results = tuple(
+        _lse_unfold(grad, size, tokens, cfg.layout(of)) if _FOLDS[of] == "lse" else _rows_unfold(grad, size, tokens)
+        for grad, of in zip(grads, ("v", "s", "v_b", "s_b"))
+    )
     return results, (True,) * 4
 
 
