@@ -8,5 +8,5 @@ extensions = ["sphinx.ext.autodoc", "numpydoc"]
 autodoc_typehints = "none"  # the numpydoc sections give each type in words
 numpydoc_show_class_members = False
 numpydoc_xref_param_type = False
-exclude_patterns = ["_build", "PERF.md", "PERF_LOG.md", "ARCHITECTURE.md"]
+exclude_patterns = ["_build", "ARCHITECTURE.md"]
 html_theme = "alabaster"
