@@ -8,10 +8,13 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
+import sys
+import types
 
 import pytest
 
-from cupy_merge.tools import bench
+from cupy_merge.tools import bench, bench_flashinfer
 from cupy_merge.tools.bench_cases import (
     FAMILIES,
     HOST,
@@ -215,11 +218,94 @@ def test_environment_line_and_versions():
         assert value in line
 
 
-def test_flashinfer_is_built_by_nvcc_for_the_device_arch():
-    command = bench.nvcc_command("/fi", "90", "/tmp/x.so", "/usr/bin/nvcc")
+def test_flashinfer_headers_are_built_through_our_shim_by_nvcc_for_the_device_arch():
+    command = bench_flashinfer.nvcc_command("/fi/include", "/tmp/shim.cu", "90", "/tmp/x.so", "/usr/bin/nvcc")
     assert command[0] == "/usr/bin/nvcc" and "-gencode=arch=compute_90,code=sm_90" in command
-    assert command[command.index("-I") + 1] == "/fi/include" and "/fi/fi_merge.cu" in command
+    assert command[command.index("-I") + 1] == "/fi/include" and "/tmp/shim.cu" in command
     assert command[-2:] == ["-o", "/tmp/x.so"] and "-shared" in command
+
+
+def test_the_shim_declares_the_three_functions_the_loader_binds():
+    shim = bench_flashinfer.SHIM_SOURCE
+    assert '#include "flashinfer/attention/cascade.cuh"' in shim and 'extern "C"' in shim
+    for name, launcher, parameters in (
+        ("cm_fi_merge_state", "MergeState<bf16, bf16>", 10),
+        ("cm_fi_merge_states", "MergeStates<bf16, bf16>", 9),
+        ("cm_fi_variable_length_merge_states", "VariableLengthMergeStates<bf16, bf16, int32_t>", 9),
+    ):
+        match = re.search(rf"int {name}\(([^)]*)\)", shim)
+        assert match and len(match.group(1).split(",")) == parameters, name
+        assert f"flashinfer::{launcher}(" in shim
+
+
+def test_a_source_tree_is_recognised_by_its_cascade_header(tmp_path):
+    assert not bench_flashinfer.is_source_tree(str(tmp_path))
+    header = tmp_path / bench_flashinfer.CASCADE_HEADER
+    header.parent.mkdir(parents=True)
+    header.write_text("// stand-in")
+    assert bench_flashinfer.is_source_tree(str(tmp_path))
+
+
+class _StandIn:
+    """A stand-in ``flashinfer`` package: each merge records its call and returns (values, lse)."""
+
+    def __init__(self, ragged_under_triton: bool = True):
+        self.calls: list[tuple] = []
+        self.__version__ = "0.0-stand-in"
+        self.merge_state = self._recorder("merge_state")
+        self.merge_states = self._recorder("merge_states")
+        ragged = self._recorder("variable_length_merge_states")
+        if ragged_under_triton:
+            self.triton = types.SimpleNamespace(
+                cascade=types.SimpleNamespace(variable_length_merge_states=ragged)
+            )
+        else:
+            self.variable_length_merge_states = ragged
+
+    def _recorder(self, name):
+        def merge(*args):
+            self.calls.append((name, args))
+            return (f"{name} values", f"{name} lse")
+
+        return merge
+
+
+@pytest.mark.parametrize("ragged_under_triton", [True, False], ids=["triton.cascade", "top-level"])
+def test_the_installed_package_merges_are_found_and_called_in_flashinfer_layout(
+    monkeypatch, ragged_under_triton
+):
+    stand_in = _StandIn(ragged_under_triton)
+    monkeypatch.setitem(sys.modules, "flashinfer", stand_in)
+    fi = bench_flashinfer.from_package()
+    assert fi is not None and fi.source == "flashinfer 0.0-stand-in (package)"
+    assert fi.two_way("va", "sa", "vb", "sb")() == "merge_state values"
+    assert fi.n_way("v", "s")() == "merge_states values"
+    assert fi.ragged("v", "s", "indptr", 7)() == "variable_length_merge_states values"
+    assert stand_in.calls == [
+        ("merge_state", ("va", "sa", "vb", "sb")),
+        ("merge_states", ("v", "s")),
+        ("variable_length_merge_states", ("v", "s", "indptr")),
+    ]
+
+
+def test_a_package_without_a_merge_is_named(monkeypatch, capsys):
+    stand_in = _StandIn()
+    del stand_in.merge_states
+    monkeypatch.setitem(sys.modules, "flashinfer", stand_in)
+    assert bench_flashinfer.from_package() is None
+    assert "has no merge_states" in capsys.readouterr().err
+
+
+def test_without_flashinfer_the_benchmark_says_how_to_get_it_before_any_gpu_work(
+    monkeypatch, tmp_path, capsys
+):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer raises ImportError
+    assert bench.main(["--flashinfer"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install flashinfer-python" in err and "--flashinfer DIR" in err
+    assert bench.main(["--flashinfer", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "cascade.cuh" in err and "git clone" in err
 
 
 def test_help_lists_the_options(capsys):
@@ -237,7 +323,8 @@ def test_arguments():
     args = bench.parse_args(["--quick", "--flashinfer", "fi", "--only", "n-way, host", "--out", "x.json"])
     assert args.quick and args.flashinfer == "fi" and args.only == ["n-way", HOST] and args.out == "x.json"
     assert not args.no_compile and args.plot is None and not args.distributed
-    assert bench.parse_args([]).only is None
+    assert bench.parse_args([]).only is None and bench.parse_args([]).flashinfer is None
+    assert bench.parse_args(["--flashinfer"]).flashinfer == ""  # the installed package
 
 
 def test_bad_arguments_exit_with_status_2(capsys):
@@ -246,11 +333,6 @@ def test_bad_arguments_exit_with_status_2(capsys):
             bench.parse_args(argv)
         assert exit_.value.code == 2
     assert "three-way" in capsys.readouterr().err
-
-
-def test_a_flashinfer_folder_without_its_abi_is_refused_before_any_gpu_work(tmp_path, capsys):
-    assert bench.main(["--flashinfer", str(tmp_path)]) == 2
-    assert "fi_merge.cu" in capsys.readouterr().err
 
 
 def _rows():

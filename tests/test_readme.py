@@ -21,3 +21,31 @@ def test_the_quick_start_test_command_is_the_one_ci_runs():
     assert "python -m pytest -q tests" in README
     ci = ROOT / ".ci" / "run"  # not in the sdist
     assert not ci.exists() or "python -m pytest -q tests" in ci.read_text(encoding="utf-8")
+
+
+def _extras() -> set[str]:
+    """The extras pyproject.toml declares (read by hand: tomllib is Python 3.11's)."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    section = text.split("[project.optional-dependencies]")[1].split("\n[")[0]
+    return set(re.findall(r"^([a-z0-9-]+) = \[", section, re.MULTILINE))
+
+
+def test_every_extra_the_readme_names_exists():
+    named = set()
+    for group in re.findall(r'pip install (?:-e )?"\.\[([^\]]+)\]"', README):
+        named |= set(group.split(","))
+    named |= set(re.findall(r"`\[([a-z0-9-]+)\]`", README))
+    assert {"cu12", "cu13", "torch", "jax-cuda12", "test"} <= named
+    assert named <= _extras()
+
+
+def test_the_torch_floor_is_the_registered_ops_floor():
+    assert "torch 2.4 or newer" in README
+    assert '"torch>=2.4"' in (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+
+
+def test_every_relative_link_of_the_readme_exists():
+    links = [target for target in re.findall(r"\]\(([^)#]+)\)", README) if "://" not in target]
+    assert any(target.startswith("docs/") for target in links)
+    for target in links:
+        assert (ROOT / target).exists(), target

@@ -28,28 +28,25 @@ the launch queue holds; the median batch) at decode sizes: merge_attn_states on 
 and torch tensors (host_*), a merge bound once with cupy_merge.bind (bound_*), merge_state
 allocating (alloc_torch_us), and the yardsticks cupy.add / torch.add, into out= and allocating.
 
---flashinfer DIR builds DIR/fi_merge.cu (a C ABI over FlashInfer's header-only merge kernels in
-DIR/include) with nvcc for this GPU into a temporary library and loads it with ctypes; it needs
-torch and nvcc, and no FlashInfer code is part of this package. Without it the FlashInfer
-columns are '-'.
+--flashinfer alone times the installed flashinfer package's merge_state, merge_states and
+variable_length_merge_states (as a user calls them: allocating their results). --flashinfer DIR
+instead builds FlashInfer's header-only merge kernels from a source tree (DIR/include) with nvcc,
+through a small C shim this package writes out (cupy_merge/tools/bench_flashinfer.py), into a
+temporary library loaded with ctypes; it needs torch and nvcc. No FlashInfer code is part of this
+package. Without --flashinfer the FlashInfer columns are '-'.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import ctypes
 import datetime
 import importlib.metadata
 import json
 import math
-import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +78,14 @@ from .bench_cases import (
     traffic_bytes,
 )
 from .bench_cases import select as select_cases
+from .bench_flashinfer import (
+    CASCADE_HEADER,
+    HOW_TO_GET,
+    FlashInferMerges,
+    from_package,
+    from_source_tree,
+    is_source_tree,
+)
 from .timing import copy_us, host_us_per_call, median_ms
 
 # ---------------------------------------------------------------------------------------------
@@ -165,27 +170,8 @@ def environment_line(env: dict) -> str:
         f"{env.get('date', '?')} | {env.get('gpu', '?')} | driver {env.get('driver', '?')} | "
         f"CUDA runtime {env.get('cuda_runtime', '?')} | cupy {env.get('cupy', '?')} | "
         f"torch {env.get('torch', 'not installed')} | cupy-merge {env.get('cupy_merge', '?')}"
+        + (f" | {env['flashinfer']}" if env.get("flashinfer") else "")
     )
-
-
-def nvcc_command(directory: str, arch: str, output: str, nvcc: str = "nvcc") -> list[str]:
-    """The command that builds ``directory/fi_merge.cu`` into the shared library ``output``."""
-    return [
-        nvcc, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared",
-        "-Xcompiler", "-fPIC", "-I", os.path.join(directory, "include"),
-        os.path.join(directory, "fi_merge.cu"), "-o", output,
-    ]  # fmt: skip
-
-
-def find_nvcc() -> str | None:
-    """nvcc on the PATH, else in ``$CUDA_HOME/bin`` or ``/usr/local/cuda/bin``."""
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
-            return os.path.join(home, "bin", "nvcc")
-    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,7 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--flashinfer",
         metavar="DIR",
-        help="time FlashInfer beside: DIR holds fi_merge.cu and include/ (built with nvcc; needs torch)",
+        nargs="?",
+        const="",
+        help="time FlashInfer beside: the installed flashinfer package, or with DIR a FlashInfer source "
+        "tree whose include/ is built with nvcc (needs torch)",
     )
     parser.add_argument(
         "--distributed",
@@ -244,7 +233,7 @@ class Context:
     """What every case's measurement needs: torch (None without it), FlashInfer, options."""
 
     torch: Any = None
-    flashinfer: FlashInfer | None = None
+    flashinfer: FlashInferMerges | None = None
     compile_torch: bool = True
     quantise: Any = None
 
@@ -303,85 +292,18 @@ def _paired_us(a: Callable[[], object], b: Callable[[], object], rounds: int = 3
 # FlashInfer beside (optional)
 
 
-class FlashInfer:
-    """FlashInfer's bfloat16 merges through the C ABI of ``fi_merge.cu``, on torch's current stream.
-
-    Its layouts: values ``[tokens, heads, head_size]`` (N-way ``[tokens, states, heads,
-    head_size]``), LSE base 2 ``[tokens, heads]`` (N-way ``[tokens, states, heads]``).
-    Each call returns CUDA's error code (0 for success).
-    """
-
-    def __init__(self, library: ctypes.CDLL, torch):
-        p, u = ctypes.c_void_p, ctypes.c_uint
-        self.torch = torch
-        self._two = library.fi_merge_state_bf16
-        self._two.argtypes = [p] * 6 + [u] * 3 + [p]
-        self._many = library.fi_merge_states_bf16
-        self._many.argtypes = [p] * 4 + [u] * 4 + [p]
-        self._varlen = library.fi_varlen_bf16
-        self._varlen.argtypes = [p] * 5 + [u] * 3 + [p]
-        for function in (self._two, self._many, self._varlen):
-            function.restype = ctypes.c_int
-
-    def _stream(self) -> int:
-        return self.torch.cuda.current_stream().cuda_stream
-
-    def merge_state(self, v_a, s_a, v_b, s_b, v_out, s_out) -> int:
-        tokens, heads, head_size = v_a.shape
-        pointers = (x.data_ptr() for x in (v_a, s_a, v_b, s_b, v_out, s_out))
-        return self._two(*pointers, tokens, heads, head_size, self._stream())
-
-    def merge_states(self, v, s, v_out, s_out) -> int:
-        tokens, states, heads, head_size = v.shape
-        pointers = (x.data_ptr() for x in (v, s, v_out, s_out))
-        return self._many(*pointers, states, tokens, heads, head_size, self._stream())
-
-    def varlen(self, v, s, indptr, v_out, s_out) -> int:
-        tokens, heads, head_size = v_out.shape
-        pointers = (x.data_ptr() for x in (v, s, indptr, v_out, s_out))
-        return self._varlen(*pointers, tokens, heads, head_size, self._stream())
-
-
-def load_flashinfer(directory: str, torch) -> FlashInfer | None:
-    """Build ``directory/fi_merge.cu`` for this GPU with nvcc and load it; None (and why) if it cannot be."""
-    if torch is None:
-        print("--flashinfer needs torch with CUDA: FlashInfer columns left out", file=sys.stderr)
-        return None
-    nvcc = find_nvcc()
-    if nvcc is None:
-        print("--flashinfer needs nvcc (PATH, CUDA_HOME): FlashInfer columns left out", file=sys.stderr)
-        return None
-    arch = cupy.cuda.Device().compute_capability
-    folder = tempfile.mkdtemp(prefix="cupy_merge_fi_")
-    try:
-        library_path = os.path.join(folder, "fi_merge.so")
-        start = time.perf_counter()
-        built = subprocess.run(
-            nvcc_command(directory, arch, library_path, nvcc), check=False, capture_output=True, text=True
-        )
-        if built.returncode != 0:
-            print(f"building FlashInfer failed:\n{built.stderr[-2000:]}", file=sys.stderr)
-            return None
-        print(
-            f"FlashInfer kernels built for sm_{arch} in {time.perf_counter() - start:.0f} s", file=sys.stderr
-        )
-        return FlashInfer(ctypes.CDLL(library_path), torch)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)  # a loaded library stays mapped
-
-
-def _flashinfer_columns(torch, fi_call, cm_call, fi_out, cm_out) -> dict:
+def _flashinfer_columns(torch, fi_run, cm_call, cm_out) -> dict:
     """FlashInfer and ours on its layout: checked against each other once, then timed."""
-    status = fi_call()
-    if status != 0:
-        raise RuntimeError(f"FlashInfer's launcher returned CUDA error {status}")
+    fi_out = fi_run()
     cm_call()
     torch.cuda.synchronize()
     maxdiff = (cm_out.float() - fi_out.float()).abs().max().item()
-    return {"flashinfer_us": _us(fi_call), "cm_fi_layout_us": _us(cm_call), "maxdiff": maxdiff}
+    return {"flashinfer_us": _us(fi_run), "cm_fi_layout_us": _us(cm_call), "maxdiff": maxdiff}
 
 
-def _with_flashinfer(ctx: Context, case: Case, row: dict, columns: Callable[[FlashInfer], dict]) -> None:
+def _with_flashinfer(
+    ctx: Context, case: Case, row: dict, columns: Callable[[FlashInferMerges], dict]
+) -> None:
     """Fill the FlashInfer columns of ``row`` where FlashInfer takes the case; a failure only blanks them."""
     if ctx.flashinfer is None or not flashinfer_supports(case):
         return
@@ -396,51 +318,45 @@ def _with_flashinfer(ctx: Context, case: Case, row: dict, columns: Callable[[Fla
         )
 
 
-def _fi_two_way(fi: FlashInfer, v_a, s_a, v_b, s_b) -> dict:
-    torch, (heads, tokens) = fi.torch, s_a.shape
+def _fi_two_way(fi: FlashInferMerges, torch, v_a, s_a, v_b, s_b) -> dict:
+    heads, tokens = s_a.shape
     sa, sb = ((s * LOG2_E).T.contiguous() for s in (s_a, s_b))  # [tokens, heads], base 2
-    fi_out, fi_lse = torch.empty_like(v_a), torch.empty(tokens, heads, device="cuda")
     cm_out, cm_lse = torch.empty_like(v_a), torch.empty(heads, tokens, device="cuda")
     return _flashinfer_columns(
         torch,
-        lambda: fi.merge_state(v_a, sa, v_b, sb, fi_out, fi_lse),
+        fi.two_way(v_a, sa, v_b, sb),
         lambda: merge_state(v_a, sa.T, v_b, sb.T, out=cm_out, out_lse=cm_lse, lse_base=2),
-        fi_out,
         cm_out,
     )
 
 
-def _fi_n_way(fi: FlashInfer, v, s) -> dict:
-    torch, (tokens, heads, head_size) = fi.torch, v.shape[1:]
+def _fi_n_way(fi: FlashInferMerges, torch, v, s) -> dict:
+    tokens, heads, head_size = v.shape[1:]
     v_fi = v.transpose(0, 1).contiguous()  # [tokens, states, heads, head_size]
     s_fi = (s * LOG2_E).permute(2, 0, 1).contiguous()  # [tokens, states, heads], base 2
-    fi_out = torch.empty(tokens, heads, head_size, device="cuda", dtype=v.dtype)
-    fi_lse = torch.empty(tokens, heads, device="cuda")
-    cm_out, cm_lse = torch.empty_like(fi_out), torch.empty(heads, tokens, device="cuda")
+    cm_out = torch.empty(tokens, heads, head_size, device="cuda", dtype=v.dtype)
+    cm_lse = torch.empty(heads, tokens, device="cuda")
     return _flashinfer_columns(
         torch,
-        lambda: fi.merge_states(v_fi, s_fi, fi_out, fi_lse),
+        fi.n_way(v_fi, s_fi),
         lambda: merge_states(
             v_fi.transpose(0, 1), s_fi.permute(1, 2, 0), out=cm_out, out_lse=cm_lse, lse_base=2
         ),
-        fi_out,
         cm_out,
     )
 
 
-def _fi_ragged(fi: FlashInfer, v, s, indptr, tokens: int) -> dict:
-    torch, (heads, head_size) = fi.torch, v.shape[1:]
+def _fi_ragged(fi: FlashInferMerges, torch, v, s, indptr, tokens: int) -> dict:
+    heads, head_size = v.shape[1:]
     s_fi = (s * LOG2_E).T.contiguous()  # [rows, heads], base 2
-    fi_out = torch.empty(tokens, heads, head_size, device="cuda", dtype=v.dtype)
-    fi_lse = torch.empty(tokens, heads, device="cuda")
-    cm_out, cm_lse = torch.empty_like(fi_out), torch.empty(heads, tokens, device="cuda")
+    cm_out = torch.empty(tokens, heads, head_size, device="cuda", dtype=v.dtype)
+    cm_lse = torch.empty(heads, tokens, device="cuda")
     return _flashinfer_columns(
         torch,
-        lambda: fi.varlen(v, s_fi, indptr, fi_out, fi_lse),
+        fi.ragged(v, s_fi, indptr, tokens),
         lambda: merge_states_varlen(
             v, s_fi.T, indptr, out=cm_out, out_lse=cm_lse, lse_base=2, check_indptr=False
         ),
-        fi_out,
         cm_out,
     )
 
@@ -516,7 +432,7 @@ def _two_way(ctx: Context, case: Case) -> dict:
         if ctx.compile_torch and _compiled.get("merge", True) is not None:
             row["compiled_us"] = _torch_compiled_us(torch, out, v_a, s_a, v_b, s_b)
         row["graph_us"] = _graph_us(torch, merge)
-    _with_flashinfer(ctx, case, row, lambda fi: _fi_two_way(fi, v_a, s_a, v_b, s_b))
+    _with_flashinfer(ctx, case, row, lambda fi: _fi_two_way(fi, ctx.torch, v_a, s_a, v_b, s_b))
     return row
 
 
@@ -562,7 +478,7 @@ def _n_way(ctx: Context, case: Case) -> dict:
         row["chained_us"] = _us(chained)
     if ctx.torch is not None:
         row["torch_us"] = _us(lambda: _torch_eager_many(ctx.torch, v, s))
-    _with_flashinfer(ctx, case, row, lambda fi: _fi_n_way(fi, v, s))
+    _with_flashinfer(ctx, case, row, lambda fi: _fi_n_way(fi, ctx.torch, v, s))
     return row
 
 
@@ -603,7 +519,7 @@ def _ragged(ctx: Context, case: Case) -> dict:
             lambda: merge_states_varlen(v, s, indptr, out=out, out_lse=out_lse, check_indptr=False)
         )
     }
-    _with_flashinfer(ctx, case, row, lambda fi: _fi_ragged(fi, v, s, indptr, case.tokens))
+    _with_flashinfer(ctx, case, row, lambda fi: _fi_ragged(fi, ctx.torch, v, s, indptr, case.tokens))
     return row
 
 
@@ -859,21 +775,30 @@ def main(argv=None) -> int:
         from . import bench_distributed
 
         return bench_distributed.main()
-    if args.flashinfer and not os.path.isfile(os.path.join(args.flashinfer, "fi_merge.cu")):
-        print(f"--flashinfer: no fi_merge.cu in {args.flashinfer}", file=sys.stderr)
+    flashinfer = None
+    if args.flashinfer == "":  # --flashinfer alone: the installed package, found before any GPU work
+        flashinfer = from_package()
+        if flashinfer is None:
+            print(HOW_TO_GET, file=sys.stderr)
+            return 2
+    elif args.flashinfer is not None and not is_source_tree(args.flashinfer):
+        print(f"--flashinfer: {args.flashinfer} is not a FlashInfer source tree (no {CASCADE_HEADER})\n"
+              f"{HOW_TO_GET}", file=sys.stderr)  # fmt: skip
         return 2
     if not cupy.cuda.is_available():
         print("no CUDA device: nothing to benchmark")
         return 0
     torch = _torch()
-    ctx = Context(torch=torch, compile_torch=not args.no_compile)
+    ctx = Context(torch=torch, compile_torch=not args.no_compile, flashinfer=flashinfer)
     if args.flashinfer:
-        ctx.flashinfer = load_flashinfer(args.flashinfer, torch)
+        ctx.flashinfer = from_source_tree(args.flashinfer, str(cupy.cuda.Device().compute_capability), torch)
     cases = select_cases(all_cases(args.quick), args.only)
     hosts = host_cases(args.quick) if args.only is None or HOST in args.only else []
     if any(case.kind == "fp8" for case in cases):
         ctx.quantise = _quantiser()
     env = environment()
+    if ctx.flashinfer is not None:
+        env["flashinfer"] = ctx.flashinfer.source
     total = len(cases) + len(hosts)
     rows: list[dict] = []
     host_rows: list[dict] = []
