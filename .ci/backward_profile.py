@@ -1,6 +1,6 @@
 """Launches of the gradient kernels inside an NVTX range named ``measure``, for Nsight Compute.
 
-Default (docs/PERF.md, session 10): one launch each of the two-way gradient (4096 x 32 x 128) and
+Default (benchmarks/PERF.md, session 10): one launch each of the two-way gradient (4096 x 32 x 128) and
 the N-way one (16 x 1024 x 32 x 128), bf16. ``stages`` (PERF_LOG run 56): the N-way one under
 three chunks of two states in flight (the default), four of two and two of four, then ragged rows
 of 64 tokens with 0-200 states each, given the merge's results and recomputing them:

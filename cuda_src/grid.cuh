@@ -6,7 +6,7 @@ namespace cupy_merge {
 
 // Work items (a block's tokens of one head) are numbered head-fastest, so that
 // blocks running at the same time read neighbouring heads of the same tokens:
-// contiguous memory (1-2 points of copy speed over token-fastest, docs/PERF.md).
+// contiguous memory (1-2 points of copy speed over token-fastest, benchmarks/PERF.md).
 __device__ __forceinline__ long long block_head(long long work, long long num_heads) { return work % num_heads; }
 __device__ __forceinline__ long long block_token_block(long long work, long long num_heads) { return work / num_heads; }
 

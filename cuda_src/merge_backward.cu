@@ -40,7 +40,7 @@
 // On sm_90 and sm_100 (kStagingFits) a thread stages its chunks (rows that are not short) in shared
 // memory through cp.async, two or more in flight, instead of holding one in registers (kBackwardStaged).
 //
-// Session 11 (docs/PERF.md): the kernel was issue- and latency-bound, not memory-bound. Its
+// Session 11 (benchmarks/PERF.md): the kernel was issue- and latency-bound, not memory-bound. Its
 // loads are unconditional (addresses clamped into the arrays, results of states past a row's
 // count unused), so that no value is zeroed or selected element by element.
 #include "backward.cuh"

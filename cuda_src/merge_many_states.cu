@@ -69,7 +69,7 @@ struct Partial {
 
   // Adds a chunk of states; those past the end of the row arrive with lse = -inf (weight zero).
   // Branch-free (selects, no early return): 0.3-2 points of copy speed faster than the same
-  // fold with branches (docs/PERF.md, session 7, run 5).
+  // fold with branches (benchmarks/PERF.md, session 7, run 5).
   template <typename TIn>
   __device__ __forceinline__ void fold(const float (&lse)[MERGE_CHUNK], const Pack<TIn, VEC> (&values)[MERGE_CHUNK]) {
     float new_max = lse_max;
@@ -93,7 +93,7 @@ struct Partial {
   // memory), MERGE_CHUNK at a time as fold takes states: a chunk's shared-memory loads issue
   // together, then one rescale. Split 0 runs this alone after the barrier, so where rows are
   // few it is on the critical path: one partial at a time, maxima first, it was a chain of
-  // dependent loads and exponentials (docs/PERF.md, session 8). Slots past `count` are empty
+  // dependent loads and exponentials (benchmarks/PERF.md, session 8). Slots past `count` are empty
   // partials (weight zero).
   __device__ __forceinline__ void combine(const Partial* others, int count, int stride) {
 #pragma unroll 1
@@ -212,7 +212,7 @@ __device__ __forceinline__ Chunk<TIn, VEC> load_chunk(const float* row_lse, cons
   // ptxas does not move memory operations across a warp barrier, so every load of the chunk
   // issues before the arithmetic that uses the LSEs. Without it, ptxas issued three of the
   // four value loads after that arithmetic whenever the kernel around it changed enough:
-  // two round trips a chunk, 1-3 % slower (docs/PERF.md, sessions 7 and 8). The threads
+  // two round trips a chunk, 1-3 % slower (benchmarks/PERF.md, sessions 7 and 8). The threads
   // that reach this point together (a warp may split over rows of different lengths).
   __syncwarp(__activemask());
   return chunk;
@@ -222,7 +222,7 @@ __device__ __forceinline__ Chunk<TIn, VEC> load_chunk(const float* row_lse, cons
 // `part`, one memory round trip a chunk: a chunk is loaded at the bottom of the previous
 // iteration (the first before the loop), its loads kept together by load_chunk's barrier.
 // (Issuing the next chunk's loads before folding the current one took 97 registers
-// instead of 48 and measured 3-20 % slower: docs/PERF.md, session 8.)
+// instead of 48 and measured 3-20 % slower: benchmarks/PERF.md, session 8.)
 template <typename TIn, int VEC, typename Index, typename LseStride>
 __device__ __forceinline__ void fold_row(Partial<VEC>& part, const float* row_lse, const Pack<TIn, VEC>* column,
                                          Index first, Index step, Index count, LseStride lse_stride_state,
@@ -248,7 +248,7 @@ __device__ __forceinline__ void fold_row(Partial<VEC>& part, const float* row_ls
 // ([splits - 1][packs] partials), one barrier a level: a level's writers (y % 2h == h) are
 // done after it, and the next level's (y % 4h == 2h) write slots no one reads before the
 // next barrier. log2(splits) steps instead of the splits - 1 a serial combine by split 0
-// takes: with few rows a block holds up to 1024 / packs splits (docs/PERF.md, session 10).
+// takes: with few rows a block holds up to 1024 / packs splits (benchmarks/PERF.md, session 10).
 // Every thread of the block must call it.
 template <int VEC>
 __device__ __forceinline__ void combine_splits(Partial<VEC>& part, Partial<VEC>* shared, int split, int splits,
@@ -378,7 +378,7 @@ namespace cupy_merge {
 // Parameter order: a parameter is read from the constant bank, and the first read of
 // each 64-byte line misses the constant cache, the warp waiting out one miss after
 // another (at one token, three misses before the first load took 175 of 1110 stall
-// samples: docs/PERF.md, session 8). So what a dense launch reads comes first, in
+// samples: benchmarks/PERF.md, session 8). So what a dense launch reads comes first, in
 // 108 bytes: on Hopper parameters start at c[0x0][0x210], and these fill the rest of
 // the line that also holds the memory descriptor (which the first load reads anyway)
 // and the next line. The block's shape is among them (`block_packs` = blockDim.x,

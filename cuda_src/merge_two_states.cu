@@ -132,7 +132,7 @@ __global__ void merge_two_states(
   const float inverse_scale = output_inverse_scale<TOut>(output_scale);
 
   // Blocks are numbered head-fastest: blocks running together cover neighbouring
-  // heads of the same tokens, i.e. contiguous memory (see docs/PERF.md).
+  // heads of the same tokens, i.e. contiguous memory (see benchmarks/PERF.md).
   for (Index work = blockIdx.x; work < work_items; work += gridDim.x) {
     const Index head = block_head(work, num_heads);
     const float sink = sink_logit<SINKS>(sinks, sinks_stride, head);

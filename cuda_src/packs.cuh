@@ -11,7 +11,7 @@ struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {
 
 // Every value is read once and written once. 16-byte stores carry the
 // cache-streaming hint (.cs), measured 2-15 points of copy speed faster on the
-// H200 (docs/PERF.md, session 2). Loads carry it when STREAMING: it measured
+// H200 (benchmarks/PERF.md, session 2). Loads carry it when STREAMING: it measured
 // up to 3 points faster below about 64 MB of traffic and 5-10 points slower
 // above, where plain loads reach the copy's speed (session 4, sweep 2).
 struct alignas(16) Bytes16 { unsigned x, y, z, w; };

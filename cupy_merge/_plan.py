@@ -98,7 +98,7 @@ def index_type(specs: list[ArraySpec | None], rows: int, num_states: int = 0) ->
     """The strided kernels' integer type for element offsets: 32-bit when every offset fits.
 
     32-bit offsets take fewer registers and instructions (the N-way kernel gained
-    up to 12 points of copy speed, docs/PERF.md). ``rows`` (tokens x heads) and
+    up to 12 points of copy speed, benchmarks/PERF.md). ``rows`` (tokens x heads) and
     ``num_states`` are bounded too: the kernels count them in the same type.
     """
     if rows >= INDEX_32_LIMIT or num_states >= INDEX_32_LIMIT:
@@ -476,7 +476,7 @@ def choose_state_splits(
 
     One group suffices when rows alone give ``busy_threads`` threads; otherwise
     the states of a row are split, up to one chunk per group and ``max_splits``
-    groups (default ``tuning.max_splits``; measured in docs/PERF.md).
+    groups (default ``tuning.max_splits``; measured in benchmarks/PERF.md).
     """
     wanted = -(-tuning.busy_threads // max(row_threads, 1))
     useful = -(-num_states // chunk)

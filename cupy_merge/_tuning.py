@@ -1,6 +1,6 @@
 """The kernels' tuning as one frozen value: family switches, block sizes, chunk and compile options.
 
-Every number here was chosen by a measurement on an H200 (docs/PERF.md names
+Every number here was chosen by a measurement on an H200 (benchmarks/PERF.md names
 each). The planner reads them from the :class:`Tuning` it is given, the
 compiled modules carry its compile options, and every cache is keyed by it, so
 a sweep or a test runs another tuning with :func:`use` and leaves nothing of
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Launch and compile choices. The defaults are the measured best (docs/PERF.md)."""
+    """Launch and compile choices. The defaults are the measured best (benchmarks/PERF.md)."""
 
     #: Plan the lean packed kernels where the layout allows (False: the strided kernels for everything).
     packed_kernels: bool = True
@@ -140,7 +140,7 @@ class Tuning:
     #: before it drains, and wait for its results before their first load. Off by default: in a
     #: CUDA-graph chain (producer, merge, consumer) it saved nothing measurable (within +-1 us at
     #: 1-512 tokens) and its launch through cuLaunchKernelEx costs ~1.6 us more host time a call
-    #: (docs/PERF.md, session 9).
+    #: (benchmarks/PERF.md, session 9).
     programmatic_launch: bool = False
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@ STRATEGIES = ("auto", *FULL_HEAD_STRATEGIES, *SHARDED_STRATEGIES)
 
 #: The cost model's time per collective and bytes per microsecond a rank sends: bare eager NCCL
 #: collectives on two H200s over NVLink took 22-40 us each at a few kB and moved 200-225 GB/s per
-#: rank at 17-34 MB (docs/PERF.md, session 5). Under CUDA graphs a collective costs 10-15 us.
+#: rank at 17-34 MB (benchmarks/PERF.md, session 5). Under CUDA graphs a collective costs 10-15 us.
 COLLECTIVE_US = 35.0
 BYTES_PER_US = 200e3
 

@@ -7,7 +7,7 @@ and modules are cached apart) once to check it against the first variant's
 result (the strided kernels', for the merges), then times it (CUDA events,
 median, L2 flushed) next to a same-bytes copy. Cells are % of the copy's speed;
 the last column is the largest relative error of any variant against the first.
-Used for docs/PERF.md: each sweep's prediction and result are recorded there.
+Used for benchmarks/PERF.md: each sweep's prediction and result are recorded there.
 """
 
 from __future__ import annotations
