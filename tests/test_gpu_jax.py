@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 import cupy_merge as cm
 import cupy_merge.jax as cmj
-from cupy_merge import _tuning, reference
+from cupy_merge import _jax_launch, _tuning, reference
 
 DTYPES = ["float32", "float16", "bfloat16"]
 TOLERANCE = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
@@ -499,7 +499,7 @@ def test_the_element_aligned_plan_merges_alike(rng, monkeypatch):
     want = reference.merge_state(*(_host(x) for x in states))
     merge = jax.jit(cmj.merge_state)
     _expect_merged(*merge(*states), *want, "bfloat16")
-    monkeypatch.setattr(cmj, "_MISALIGNED", ~0)  # every address counts as misaligned: the scalar plan
+    monkeypatch.setattr(_jax_launch, "_MISALIGNED", ~0)  # every address counts as misaligned: the scalar plan
     _expect_merged(*merge(*states), *want, "bfloat16")
 
 

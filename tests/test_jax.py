@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 import cupy_merge as cm
 import cupy_merge.jax as cmj
-from cupy_merge import _dispatch, _kernels, _tuning, reference
+from cupy_merge import _dispatch, _jax_entry, _jax_launch, _jax_transforms, _kernels, _tuning, reference
 from cupy_merge._operands import BackwardOperands, TwoStateOperands, TwoStateOptions
 from cupy_merge._ops import MERGE_STATE
 
@@ -159,8 +159,8 @@ def _numpy_backward(specs, view, f64, base) -> None:
 @pytest.fixture
 def numpy_kernels(monkeypatch):
     """Merges on JAX's CPU device, computed by :func:`_numpy_merge`; counts its calls."""
-    monkeypatch.setattr(cmj, "_devices_to_prepare", lambda: ())
-    monkeypatch.setattr(cmj, "_on_host", _numpy_merge)
+    monkeypatch.setattr(_jax_launch, "_devices_to_prepare", lambda: ())
+    monkeypatch.setattr(_jax_launch, "_on_host", _numpy_merge)
     cmj._clear_caches()
     _numpy_merge.calls = _numpy_merge.backward_calls = 0
     with jax.default_device(jax.devices("cpu")[0]):
@@ -209,7 +209,7 @@ def test_a_cpu_only_jax_is_told_what_is_missing(rng):
 
 def test_a_jax_without_buffer_callback_or_no_jax_is_told_what_to_install(monkeypatch, rng):
     states = _states(rng, 4, 2, 8)
-    monkeypatch.setattr(cmj, "_loaded", [])
+    monkeypatch.setattr(_jax_launch, "_loaded", [])
     monkeypatch.setitem(sys.modules, "jax.experimental.buffer_callback", None)
     with pytest.raises(ImportError, match=r"needs jax.experimental.buffer_callback, new in JAX 0\.6\.1"):
         cmj.merge_state(*states)
@@ -345,18 +345,18 @@ def test_jit_eager_and_the_public_merge_agree_with_the_reference(numpy_kernels, 
 def test_eager_calls_reuse_one_trace_and_one_jitted_function(numpy_kernels, rng):
     states = _states(rng, 5, 2, 8)
     cmj.merge_state(*states)
-    entries, functions = len(cmj._entries), len(cmj._jitted)
-    (function,) = cmj._jitted.values()
+    entries, functions = len(_jax_launch._entries), len(_jax_entry._jitted)
+    (function,) = _jax_entry._jitted.values()
     traced = function._cache_size()
     for _ in range(3):
         cmj.merge_state(*states)
         cm.merge_state(*states)
-    assert (len(cmj._entries), len(cmj._jitted), function._cache_size()) == (entries, functions, traced)
+    assert (len(_jax_launch._entries), len(_jax_entry._jitted), function._cache_size()) == (entries, functions, traced)
     cmj.merge_state(*states, lse_base=2)  # other options: another function
-    assert len(cmj._jitted) == functions + 1
+    assert len(_jax_entry._jitted) == functions + 1
     with _tuning.use(_tuning.DEFAULT.replace(packed_kernels=False)):  # another tuning: planned apart
         cmj.merge_state(*states)
-    assert len(cmj._jitted) == functions + 2
+    assert len(_jax_entry._jitted) == functions + 2
     assert numpy_kernels.calls == 9
 
 
@@ -1034,13 +1034,13 @@ class _Recorder:
 @pytest.fixture
 def recorder(monkeypatch):
     record = _Recorder()
-    original = cmj._pointer
-    monkeypatch.setattr(cmj, "_DLPACK_CUDA", 1)  # CPU buffers take the launch path
-    monkeypatch.setattr(cmj, "_devices_to_prepare", lambda: (0,))
-    monkeypatch.setattr(cmj, "_LAUNCH_PLATFORMS", cmj._LAUNCH_PLATFORMS | {"cpu"})  # the CPU stands for device 0
-    monkeypatch.setattr(cmj, "_stream_of", lambda context: 1234)
+    original = _jax_launch._pointer
+    monkeypatch.setattr(_jax_launch, "_DLPACK_CUDA", 1)  # CPU buffers take the launch path
+    monkeypatch.setattr(_jax_launch, "_devices_to_prepare", lambda: (0,))
+    monkeypatch.setattr(_jax_entry, "_LAUNCH_PLATFORMS", _jax_entry._LAUNCH_PLATFORMS | {"cpu"})  # the CPU: device 0
+    monkeypatch.setattr(_jax_launch, "_stream_of", lambda context: 1234)
     monkeypatch.setattr(
-        cmj, "_pointer", lambda buffer: record.pointers.append(original(buffer)) or record.pointers[-1]
+        _jax_launch, "_pointer", lambda buffer: record.pointers.append(original(buffer)) or record.pointers[-1]
     )
     monkeypatch.setattr(_kernels, "prepare", record.prepare)
     monkeypatch.setattr(_kernels, "launch_patched", record.launch_patched)
@@ -1063,7 +1063,7 @@ def test_launches_are_prepared_at_trace_time_and_patched_with_the_buffers_addres
     merge(v, s)
     assert len(recorder.prepared) == prepared_count, "prepared again at run time"
     assert len(recorder.launched) == 2
-    (entry,) = [e for e in cmj._entries.values() if e.call is not None]
+    (entry,) = [e for e in _jax_launch._entries.values() if e.call is not None]
     index = entry.host.index
     for call, ((_, launch, _), stream, patches) in enumerate(recorder.launched):
         assert stream == 1234
@@ -1085,7 +1085,7 @@ def test_a_backward_launch_is_prepared_at_trace_time_and_writes_into_the_zeros_i
     grad = jax.jit(jax.grad(loss, (0, 1, 2)))
     assert "output_operand_aliases" in grad.lower(v, s, sinks).as_text()
     grad(v, s, sinks)
-    (entry,) = [e for e in cmj._entries.values() if e.zeroed]
+    (entry,) = [e for e in _jax_launch._entries.values() if e.zeroed]
     assert len(entry.zeroed) == 1  # the sinks' gradient starts as zeros (the kernel writes the others whole)
     assert "merge_states_backward<" in recorder.launched[-1][0][1].kernel
     index = entry.host.index
@@ -1114,7 +1114,7 @@ def test_an_address_aligned_below_16_bytes_takes_the_element_aligned_plan(record
     merge = jax.jit(cmj.merge_state)
     merge(*states)
     fast = recorder.launched[-1][0][1]
-    monkeypatch.setattr(cmj, "_MISALIGNED", ~0)  # every address counts as misaligned
+    monkeypatch.setattr(_jax_launch, "_MISALIGNED", ~0)  # every address counts as misaligned
     merge(*states)
     slow = recorder.launched[-1][0][1]
     assert fast.kernel != slow.kernel and "merge_two_states<float, float, 1," in slow.kernel, slow.kernel
@@ -1152,16 +1152,16 @@ def test_the_ragged_vmap_rule_gives_a_token_of_offsets_out_of_range_an_empty_mer
 
         return gradients
 
-    monkeypatch.setattr(cmj, "_backward_batched", backward_of)
+    monkeypatch.setattr(_jax_transforms, "_backward_batched", backward_of)
     fields = ("v", "s", "indptr", "grad_out", "grad_lse", "merged", "merged_lse")
     layouts = ("", "ht", "", "", "ht", "", "ht")
-    cfg = cmj._Config(MERGE_STATES_VARLEN_BACKWARD, cm._checks.backward_options(), _tuning.DEFAULT, fields, layouts)
+    cfg = _jax_launch._Config(MERGE_STATES_VARLEN_BACKWARD, cm._checks.backward_options(), _tuning.DEFAULT, fields, layouts)
     indptr = jnp.array([[0, 4, 8, 12], [0, 5, 9, 40]], jnp.int32)  # batch element 1's last token: past the rows
     merged_lse = jnp.ones((batch, heads, tokens)).at[1, :, 2].set(jnp.nan)
     args = (jnp.ones((batch, rows, heads, head_size)), jnp.ones((batch, heads, rows)), indptr,
             jnp.ones((batch, tokens, heads, head_size)), jnp.ones((batch, heads, tokens)),
             jnp.ones((batch, tokens, heads, head_size)), merged_lse)  # fmt: skip
-    cmj._rule_varlen_backward(cfg, batch, [True] * len(fields), *args)
+    _jax_transforms._rule_varlen_backward(cfg, batch, [True] * len(fields), *args)
     lse = np.asarray(folded["merged_lse"])  # token-major, a padded token a batch element: [B * (T + 1), H]
     assert lse.shape == (batch * (tokens + 1), heads) and not np.isnan(lse).any()
     assert (lse[tokens + 1 + 2] == -np.inf).all()  # batch element 1, token 2
@@ -1315,10 +1315,10 @@ def test_a_python_float_scale_is_taken_as_float32_with_x64_enabled(numpy_kernels
 
 def test_a_jax_array_on_the_cpu_is_refused_by_name_before_anything_runs(monkeypatch, rng):
     """With CUDA devices present, an operand placed on the CPU device raises naming it, at once."""
-    monkeypatch.setattr(cmj, "_devices_to_prepare", lambda: (0,))
+    monkeypatch.setattr(_jax_launch, "_devices_to_prepare", lambda: (0,))
     cmj._clear_caches()
     calls = []
-    monkeypatch.setattr(cmj, "_on_host", lambda *args: calls.append(args))
+    monkeypatch.setattr(_jax_launch, "_on_host", lambda *args: calls.append(args))
     cpu = jax.devices("cpu")[0]
     v_a, s_a, v_b, s_b = (jax.device_put(x, cpu) for x in _states(rng, 4, 2, 8))
     try:

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from .. import _jax_launch
 from .. import jax as cmj
 
 _COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
@@ -97,7 +98,7 @@ def _cell(value: Any) -> str:
 
 def _benchmark_child(calls: int, repeats: int) -> None:
     """One column of :func:`benchmark`, in its own process: prints one JSON line."""
-    loaded = cmj._jax()
+    loaded = _jax_launch._jax()
     jax, jnp = loaded.jax, loaded.jnp
     try:
         has_cuda = bool(jax.local_devices(backend="cuda"))
