@@ -727,11 +727,11 @@ def nvfp4_scales_from_swizzled(swizzled: ArrayLike, rows: int, cols: int) -> np.
 
 def _nvfp4_per_tensor_scale(global_scale: float) -> np.float32:
     """torchao's ``per_tensor_scale``, ``float32(1 / global_scale)``, or ValueError naming ``global_scale``."""
-    try:
-        scale = np.float32(global_scale)
-    except (TypeError, ValueError):
-        raise ValueError(f"global_scale: expected a positive finite number, got {global_scale!r}") from None
     with np.errstate(divide="ignore", over="ignore"):
+        try:
+            scale = np.float32(global_scale)
+        except (TypeError, ValueError):
+            raise ValueError(f"global_scale: expected a positive finite number, got {global_scale!r}") from None
         per_tensor = np.float32(1.0) / scale
     if not (scale > 0 and np.isfinite(scale) and np.isfinite(per_tensor)):
         raise ValueError(
