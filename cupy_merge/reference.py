@@ -500,11 +500,18 @@ def quantize_nvfp4(
     e2m1 (ties to even). Dequantised, a value is ``e2m1 * s / global_scale``.
 
     Special values: a NaN makes its block's scale NaN (e4m3 ``0x7F``) and all its
-    codes 0 (torchao writes code 4 there, an artefact of its cast); ``+-inf``
-    give ``+-6`` and make their block's scale 448 (the other values of the block
-    then scaled as by 448); an all-zero block gets the floor scale ``2**-6`` and
-    codes 0, as do tiny blocks whose scale would fall below it; ``-0`` and
-    negative values that round to 0 keep their sign (code 8).
+    codes 0 (torchao's CPU cast writes code 4 there; the scale decides either
+    way); ``+-inf`` give ``+-6`` and make their block's scale 448 (the other
+    values of the block then scaled as by 448); an all-zero block gets the floor
+    scale ``2**-6`` and codes 0, as do tiny blocks whose scale would fall below
+    it; ``-0`` and negative values that round to 0 keep their sign (code 8).
+
+    vLLM's and FlashInfer's references (``ref_nvfp4_quant``) have no floor: where
+    ``amax / 6 * global_scale`` is below ``2**-6`` they write an e4m3 subnormal
+    or 0 (an all-zero block: scale 0). With a calibrated global scale
+    (``448 * 6 / amax``) such blocks are rare; elsewhere the two agree but for
+    the last bit of their different float32 order of operations (their CUDA
+    kernels also use approximate reciprocals).
 
     Parameters
     ----------
