@@ -506,9 +506,9 @@ def quantize_nvfp4(
     scale ``2**-6`` and codes 0, as do tiny blocks whose scale would fall below
     it; ``-0`` and negative values that round to 0 keep their sign (code 8).
 
-    vLLM's and FlashInfer's references (``ref_nvfp4_quant``) have no floor: where
-    ``amax / 6 * global_scale`` is below ``2**-6`` they write an e4m3 subnormal
-    or 0 (an all-zero block: scale 0). With a calibrated global scale
+    The test references of vLLM (``ref_nvfp4_quant``) and FlashInfer
+    (``ref_fp4_quant``) have no floor: where ``amax / 6 * global_scale`` is below
+    ``2**-6`` they write an e4m3 subnormal or 0 (an all-zero block: scale 0). With a calibrated global scale
     (``448 * 6 / amax``) such blocks are rare; elsewhere the two agree but for
     the last bit of their different float32 order of operations (their CUDA
     kernels also use approximate reciprocals).
