@@ -14,7 +14,7 @@ Usage: python3 .ci/host_profile.py
 import torch
 
 import cupy_merge as cm
-from cupy_merge import _arrays, _checks, _dispatch, _kernels, _tuning
+from cupy_merge import _arrays, _dispatch, _kernels, _options, _tuning
 from cupy_merge._operands import TwoStateOperands
 from cupy_merge._ops import MERGE_ATTN_STATES
 from cupy_merge.tools.timing import host_us_per_call
@@ -28,7 +28,7 @@ def main():
     v_a, v_b, out = (torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     s_a, s_b, out_lse = (torch.randn(32, 1, device="cuda") for _ in range(3))
     cm.merge_attn_states(out, v_a, s_a, v_b, s_b, out_lse)
-    options = _checks.two_state_options()
+    options = _options.two_state_options()
     operands = TwoStateOperands(out, out_lse, v_a, s_a, v_b, s_b, None, None, None, None)
     fingerprint = _arrays.fingerprints(operands)
     key = (MERGE_ATTN_STATES, options, fingerprint)
@@ -38,7 +38,7 @@ def main():
     driver = _kernels._driver_launch
     steps = {
         "whole call: merge_attn_states": lambda: cm.merge_attn_states(out, v_a, s_a, v_b, s_b, out_lse),
-        "options": lambda: _checks.two_state_options(),
+        "options": lambda: _options.two_state_options(),
         "operands record": lambda: TwoStateOperands(out, out_lse, v_a, s_a, v_b, s_b, None, None, None, None),
         "fingerprints (6 tensors)": lambda: _arrays.fingerprints(operands),
         "one tensor's fingerprint": lambda: (

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy
 
-from . import _checks, _dispatch, _tuning
+from . import _dispatch, _options, _tuning
 from ._catalogue import FP8, MAX_STATES_PER_TOKEN
 from ._jax_launch import _build_backward_entry, _Config, _Entry, _entry, _jax
 from ._ops import MERGE_STATE_BACKWARD, MERGE_STATES_BACKWARD, MERGE_STATES_VARLEN_BACKWARD
@@ -152,7 +152,7 @@ def _vjp_backward(cfg: _Config, residuals: tuple, cotangents: tuple) -> tuple:
     arrays, results = residuals
     given = dict(zip(cfg.fields, arrays))
     grad_out, grad_lse = cotangents[0], cotangents[1]
-    options = _checks.backward_options(lse_base=2 if cfg.options.lse_base_2 else "e")
+    options = _options.backward_options(lse_base=2 if cfg.options.lse_base_2 else "e")
     sinks = ("sinks",) if "sinks" in given else ()
     if not cfg.operation.many:
         named = _two_way_gradients(cfg, given, grad_out, grad_lse, options)

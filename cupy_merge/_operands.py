@@ -82,7 +82,7 @@ WRITTEN = frozenset({"out", "out_lse", "output_block_scale", "grad_v", "grad_s",
 
 
 class TwoStateOptions(NamedTuple):
-    """Normalised options of a two-way merge (``_checks.two_state_options`` builds them).
+    """Normalised options of a two-way merge (``_options.two_state_options`` builds them).
 
     ``merge_tokens``: tokens at or past it take state b (vLLM's
     ``prefill_tokens_with_context``); ``group_size``: FP8 group scales (None: none).
@@ -96,7 +96,7 @@ class TwoStateOptions(NamedTuple):
 
 
 class ManyStateOptions(NamedTuple):
-    """Normalised options of an N-way merge (``_checks.many_state_options`` builds them)."""
+    """Normalised options of an N-way merge (``_options.many_state_options`` builds them)."""
 
     lse_base_2: int = 0
     out_dtype: str | None = None
@@ -106,7 +106,7 @@ class ManyStateOptions(NamedTuple):
 
 
 class BackwardOptions(NamedTuple):
-    """Normalised options of a merge's gradient (``_checks.backward_options`` builds them)."""
+    """Normalised options of a merge's gradient (``_options.backward_options`` builds them)."""
 
     lse_base_2: int = 0
 

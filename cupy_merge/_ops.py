@@ -21,7 +21,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from . import _checks
+from . import _options
 from ._operands import BackwardOperands, ManyStateOperands, Operands, Options, TwoStateOperands
 
 #: What a merge returns: its values and LSE.
@@ -126,13 +126,13 @@ _MANY_BACKWARD_NAMES = BackwardOperands(
 _MANY_NAMES = ManyStateOperands("out", "out_lse", "v", "s", "indptr", "sinks", "output_scale", "output_block_scale")
 
 MERGE_STATE_BACKWARD = Operation(
-    "merge_state_backward", _TWO_BACKWARD_NAMES, _checks.backward_options, allocates=True, returns=True
+    "merge_state_backward", _TWO_BACKWARD_NAMES, _options.backward_options, allocates=True, returns=True
 )
 MERGE_STATES_BACKWARD = Operation(
-    "merge_states_backward", _MANY_BACKWARD_NAMES, _checks.backward_options, allocates=True, returns=True
+    "merge_states_backward", _MANY_BACKWARD_NAMES, _options.backward_options, allocates=True, returns=True
 )
 MERGE_STATES_VARLEN_BACKWARD = Operation(
-    "merge_states_varlen_backward", _MANY_BACKWARD_NAMES, _checks.backward_options, allocates=True, returns=True,
+    "merge_states_varlen_backward", _MANY_BACKWARD_NAMES, _options.backward_options, allocates=True, returns=True,
     ragged=True,
 )  # fmt: skip
 
@@ -140,7 +140,7 @@ MERGE_ATTN_STATES = Operation(
     "merge_attn_states",
     TwoStateOperands("output", "output_lse", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse",
                      "mask", "sinks", "output_scale", "output_block_scale"),
-    _checks.two_state_options,
+    _options.two_state_options,
     allocates=False,
     returns=False,
 )  # fmt: skip
@@ -148,7 +148,7 @@ MERGE_STATE = Operation(
     "merge_state",
     TwoStateOperands("out", "out_lse", "v_a", "s_a", "v_b", "s_b", "mask", "sinks", "output_scale",
                      "output_block_scale"),
-    _checks.two_state_options,
+    _options.two_state_options,
     allocates=True,
     returns=True,
     backward=MERGE_STATE_BACKWARD,
@@ -158,17 +158,17 @@ MERGE_STATE_IN_PLACE = Operation(
     "merge_state_in_place",
     TwoStateOperands("v", "s", "v", "s", "v_other", "s_other", "mask", "sinks", "output_scale",
                      "output_block_scale"),
-    _checks.two_state_options,
+    _options.two_state_options,
     allocates=False,
     returns=False,
 )  # fmt: skip
 MERGE_STATES = Operation(
-    "merge_states", _MANY_NAMES, _checks.many_state_options, allocates=True, returns=True,
+    "merge_states", _MANY_NAMES, _options.many_state_options, allocates=True, returns=True,
     backward=MERGE_STATES_BACKWARD, backward_inputs={"v": "v", "s": "s", "sinks": "sinks"},
     backward_reads_results=True,
 )  # fmt: skip
 MERGE_STATES_VARLEN = Operation(
-    "merge_states_varlen", _MANY_NAMES, _checks.many_state_options, allocates=True, returns=True, ragged=True,
+    "merge_states_varlen", _MANY_NAMES, _options.many_state_options, allocates=True, returns=True, ragged=True,
     backward=MERGE_STATES_VARLEN_BACKWARD, backward_inputs={"v": "v", "s": "s", "indptr": "indptr", "sinks": "sinks"},
     backward_reads_results=True,
 )  # fmt: skip

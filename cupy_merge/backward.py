@@ -22,7 +22,7 @@ call them directly for your own backward passes.
 
 from __future__ import annotations
 
-from . import _checks, _dispatch, _ops
+from . import _dispatch, _ops, _options
 from ._arrays import Stream
 from ._operands import BackwardOperands
 from .bound import declare
@@ -83,7 +83,7 @@ def merge_state_backward(
     >>> float(grads[0][0, 0, 0]), float(grads[1][0, 0])  # half the weight; V_a = V, so no LSE gradient
     (0.5, 0.0)
     """
-    options = _checks.backward_options(lse_base=lse_base)
+    options = _options.backward_options(lse_base=lse_base)
     operands = BackwardOperands(None, None, v_a, s_a, grad_v, grad_s, v_b, s_b, sinks=sinks, merged=out, merged_lse=out_lse)
     return _dispatch.call(_ops.MERGE_STATE_BACKWARD, options, operands, stream)
 
@@ -142,7 +142,7 @@ def merge_states_backward(
     >>> float(grad_states_v[0, 0, 0, 0])  # a quarter of the weight each
     0.25
     """
-    options = _checks.backward_options(lse_base=lse_base)
+    options = _options.backward_options(lse_base=lse_base)
     operands = BackwardOperands(None, None, v, s, grad_v, grad_s, sinks=sinks, merged=out, merged_lse=out_lse)
     return _dispatch.call(_ops.MERGE_STATES_BACKWARD, options, operands, stream)
 
@@ -208,7 +208,7 @@ def merge_states_varlen_backward(
     >>> [float(grad_v[row, 0, 0]) for row in range(3)]
     [1.0, 0.5, 0.5]
     """
-    options = _checks.backward_options(lse_base=lse_base)
+    options = _options.backward_options(lse_base=lse_base)
     operands = BackwardOperands(
         None, None, v, s, grad_v, grad_s, indptr=indptr, sinks=sinks, merged=out, merged_lse=out_lse
     )

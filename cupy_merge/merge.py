@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _checks, _dispatch, _ops
+from . import _dispatch, _ops, _options
 from ._arrays import Stream
 from ._operands import TwoStateOperands
 from .bound import declare
@@ -131,7 +131,7 @@ def merge_attn_states(
     >>> bool(cupy.allclose(out, v, atol=1e-3))
     True
     """
-    options = _checks.two_state_options(
+    options = _options.two_state_options(
         lse_base=lse_base,
         prefill_tokens_with_context=prefill_tokens_with_context,
         output_block_scale=output_block_scale,
@@ -235,7 +235,7 @@ def merge_state(
     >>> v.dtype, float(v[0, 0, 0]), round(float(s[0, 0]), 4)
     (dtype('float16'), 2.0, 0.6931)
     """
-    options = _checks.two_state_options(
+    options = _options.two_state_options(
         lse_base=lse_base,
         out_dtype=out_dtype,
         output_block_scale=output_block_scale,
@@ -302,7 +302,7 @@ def merge_state_in_place(
     >>> float(v[0, 0, 0]), float(v[1, 0, 0])
     (2.0, 1.0)
     """
-    options = _checks.two_state_options(lse_base=lse_base)
+    options = _options.two_state_options(lse_base=lse_base)
     operands = TwoStateOperands(v, s, v, s, v_other, s_other, mask, sinks, None, None)
     return _dispatch.call(_ops.MERGE_STATE_IN_PLACE, options, operands, stream)
 

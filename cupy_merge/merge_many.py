@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _checks, _dispatch, _ops
+from . import _dispatch, _ops, _options
 from ._arrays import Stream
 from ._operands import ManyStateOperands
 from .bound import declare
@@ -95,7 +95,7 @@ def merge_states(
     >>> out.dtype, out.shape, float(out[0, 0, 0]), round(float(lse[0, 0]), 4)
     (dtype('float16'), (4, 8, 128), 1.0, 2.7726)
     """
-    options = _checks.many_state_options(
+    options = _options.many_state_options(
         lse_base=lse_base,
         out_dtype=out_dtype,
         output_block_scale=output_block_scale,
@@ -185,7 +185,7 @@ def merge_states_varlen(
     >>> out.shape, float(out[0, 0, 0]), float(out[1, 0, 0]), bool(cupy.isneginf(lse[:, 1]).all())
     ((3, 8, 64), 1.0, 0.0, True)
     """
-    options = _checks.many_state_options(
+    options = _options.many_state_options(
         lse_base=lse_base,
         out_dtype=out_dtype,
         check_indptr=check_indptr,

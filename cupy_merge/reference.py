@@ -14,10 +14,10 @@ import math
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import _checks
+from . import _checks, _options
 from ._arrays import HOST, ArraySpec, contiguous_strides
-from ._checks import lse_base_flag
 from ._operands import ManyStateOperands, TwoStateOperands
+from ._options import lse_base_flag
 
 __all__ = [
     "attention",
@@ -182,7 +182,7 @@ def merge_states_varlen(
     names = ManyStateOperands("out", "out_lse", "v", "s", "indptr", "sinks")
     specs = ManyStateOperands(None, None, _spec(v), _spec(s), _spec(indptr, index=True))
     state, total = _checks.check_many_inputs(specs, names)
-    check_indptr = _checks.flag(check_indptr, "check_indptr")
+    check_indptr = _options.flag(check_indptr, "check_indptr")
     if check_indptr:
         _checks.indptr_values(indptr, total)
     sink = _sinks(sinks, state.num_heads, "v")

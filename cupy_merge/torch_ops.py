@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
-from . import _arrays, _checks, _dispatch, _ops, _tuning
+from . import _arrays, _dispatch, _ops, _options, _tuning
 from . import backward as _backward  # noqa: F401 - these attach the public functions to the declarations
 from . import merge as _merge  # noqa: F401
 from . import merge_many as _merge_many  # noqa: F401
@@ -628,7 +628,7 @@ def _make_function(torch: Any, operation: _ops.Operation) -> Any:
             arrays = {field: given[of] for field, of in operation.backward_inputs.items()}
             operands = BackwardOperands(None, None, grad_out=_unit_last(grad_v), grad_lse=_dense(grad_s), merged=merged,
                                         merged_lse=merged_lse, **arrays)  # fmt: skip
-            grads = _dispatch.call(backward, _checks.backward_options(lse_base=ctx.lse_base), operands, None)
+            grads = _dispatch.call(backward, _options.backward_options(lse_base=ctx.lse_base), operands, None)
             by_field = dict(zip(operation.gradients, grads))
             return (*(by_field.get(field) for field in fields), *(None,) * len(option_type._fields))
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cupy_merge as cm
-from cupy_merge import _arrays, _checks, _dispatch, _kernels, _tuning
+from cupy_merge import _arrays, _dispatch, _kernels, _options, _tuning
 from cupy_merge._operands import TwoStateOperands, TwoStateOptions
 from cupy_merge._ops import MERGE_STATE
 
@@ -48,7 +48,7 @@ def test_the_call_cache_is_bounded(monkeypatch):
     operation = _dispatch.Operation(
         "f",
         TwoStateOperands(*TwoStateOperands._fields),
-        _checks.two_state_options,
+        _options.two_state_options,
         allocates=False,
         returns=False,
     )
@@ -106,10 +106,10 @@ def test_bad_options_raise_before_any_array_is_looked_at(monkeypatch, kwargs, er
 
 
 def test_prefill_tokens_is_taken_as_its_value_never_as_an_object():
-    assert _checks.token_count(np.int64(7)) == 7
+    assert _options.token_count(np.int64(7)) == 7
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match="^prefill_tokens_with_context: expected None or an int, got Tensor"):
-        _checks.token_count(torch.tensor(3))
+        _options.token_count(torch.tensor(3))
 
 
 def test_check_indptr_must_be_a_bool(monkeypatch):

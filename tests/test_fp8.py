@@ -7,7 +7,7 @@ import pytest
 from views import arguments, bound_args, family, plan_checked, template, view
 
 from cupy_merge import _catalogue as cat
-from cupy_merge import _checks, _plan, reference
+from cupy_merge import _options, _plan, reference
 from cupy_merge._operands import ManyStateOperands, ManyStateOptions, TwoStateOptions
 from cupy_merge._ops import MERGE_ATTN_STATES, MERGE_STATES
 
@@ -73,14 +73,14 @@ def test_a_nan_in_a_group_makes_its_scale_nan():
 )
 def test_bad_group_options_raise_naming_them(group, block_scale, ue8m0, error, words):
     with pytest.raises(error, match=words):
-        _checks.quant_group(group, block_scale, ue8m0)
+        _options.quant_group(group, block_scale, ue8m0)
 
 
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", np.dtype(ml_dtypes.float8_e4m3fn)])
 def test_fp8_is_an_output_dtype(dtype):
-    assert _checks.optional_value_dtype(dtype) == FP8
+    assert _options.optional_value_dtype(dtype) == FP8
     with pytest.raises(TypeError, match="^out_dtype: expected float32, float16, bfloat16 or float8_e4m3fn"):
-        _checks.optional_value_dtype("int8")
+        _options.optional_value_dtype("int8")
 
 
 # -- whole calls ----------------------------------------------------------------------------------

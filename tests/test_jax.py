@@ -1155,7 +1155,7 @@ def test_the_ragged_vmap_rule_gives_a_token_of_offsets_out_of_range_an_empty_mer
     monkeypatch.setattr(_jax_transforms, "_backward_batched", backward_of)
     fields = ("v", "s", "indptr", "grad_out", "grad_lse", "merged", "merged_lse")
     layouts = ("", "ht", "", "", "ht", "", "ht")
-    cfg = _jax_launch._Config(MERGE_STATES_VARLEN_BACKWARD, cm._checks.backward_options(), _tuning.DEFAULT, fields, layouts)
+    cfg = _jax_launch._Config(MERGE_STATES_VARLEN_BACKWARD, cm._options.backward_options(), _tuning.DEFAULT, fields, layouts)
     indptr = jnp.array([[0, 4, 8, 12], [0, 5, 9, 40]], jnp.int32)  # batch element 1's last token: past the rows
     merged_lse = jnp.ones((batch, heads, tokens)).at[1, :, 2].set(jnp.nan)
     args = (jnp.ones((batch, rows, heads, head_size)), jnp.ones((batch, heads, rows)), indptr,

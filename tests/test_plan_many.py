@@ -10,7 +10,7 @@ from views import arguments, bound_args, family, plan_checked, slot_fields, temp
 from views import view as _make_view
 
 from cupy_merge import _catalogue as cat
-from cupy_merge import _checks, _tuning
+from cupy_merge import _checks, _options, _tuning
 from cupy_merge._operands import ManyStateOptions
 from cupy_merge._ops import MERGE_STATES, MERGE_STATES_VARLEN
 
@@ -173,13 +173,13 @@ def test_indptr_values_are_checked_on_the_host(values, words):
 
 @pytest.mark.parametrize("base, flag", [("e", 0), (np.e, 0), (2, 1), ("2", 1)])
 def test_lse_base_accepts_e_and_2(base, flag):
-    assert _checks.lse_base_flag(base) == flag
+    assert _options.lse_base_flag(base) == flag
 
 
 @pytest.mark.parametrize("base", [10, "ln", True, None, 2.5, np.array(2), [2]])
 def test_any_other_lse_base_is_rejected(base):
     with pytest.raises(ValueError, match="^lse_base: expected"):
-        _checks.lse_base_flag(base)
+        _options.lse_base_flag(base)
 
 
 @pytest.mark.parametrize(
@@ -187,13 +187,13 @@ def test_any_other_lse_base_is_rejected(base):
     [("bfloat16", "bfloat16"), (np.float16, "float16"), ("float32", "float32"), (np.dtype("f4"), "float32")],
 )
 def test_output_dtypes_are_named_from_any_spelling(dtype, name):
-    assert _checks.value_dtype_name(dtype) == name
+    assert _options.value_dtype_name(dtype) == name
 
 
 @pytest.mark.parametrize("dtype", ["float64", np.int8, "nonsense"])
 def test_other_output_dtypes_are_rejected(dtype):
     with pytest.raises(TypeError, match="^out_dtype: expected"):
-        _checks.value_dtype_name(dtype)
+        _options.value_dtype_name(dtype)
 
 
 def test_two_dense_states_go_to_the_two_way_kernel_as_views():

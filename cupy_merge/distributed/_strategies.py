@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .. import _arrays, _checks, _dispatch, _kernels
+from .. import _arrays, _checks, _dispatch, _kernels, _options
 from .._arrays import HOST, ArrayView
 from .._checks import RANK_NAMES, StateShape
 from .._operands import RankOperands
@@ -55,14 +55,14 @@ def resolve(
 ) -> RankCall:  # fmt: skip
     """Every check of ``merge_across_ranks`` (``bound``: of ``cupy_merge.bind`` of it), before any
     collective; ``"auto"`` resolved."""
-    shard_heads = _checks.flag(shard_heads, "shard_heads")
+    shard_heads = _options.flag(shard_heads, "shard_heads")
     allowed = SHARDED_STRATEGIES if shard_heads else FULL_HEAD_STRATEGIES
     if op != "auto" and op not in allowed:
         raise ValueError(
             f"op: expected 'auto' or one of {', '.join(map(repr, allowed))} with shard_heads={shard_heads}, "
             f"got {op!r}"
         )
-    lse_base_2 = _checks.lse_base_flag(lse_base)
+    lse_base_2 = _options.lse_base_flag(lse_base)
     adapter = _kind(v)
     arrays = RankOperands(v, s, out, out_lse, sinks)
     views = {}
