@@ -223,24 +223,32 @@ def _build_entry(cfg: _Config, avals: tuple) -> _Entry:
     loose_plan = _dispatch.plan_specs(operation, options, tuning, loose, cfg.in_place).plan
     index = {field: position for position, field in enumerate(cfg.fields)}
     index.update({field: len(cfg.fields) + position for position, (field, _, _) in enumerate(results)})
-    devices = _devices_to_prepare()
-    fast = _prepare(planned.plan, devices, tuning)
-    slow = fast if loose_plan == planned.plan else _prepare(loose_plan, devices, tuning)
-    host = HostCall(operation, options, specs, index)
-    callback = _callback(fast, _slots(planned.plan, index), slow, _slots(loose_plan, index), host)
     aliases = {}
     if cfg.in_place:
         aliases = {cfg.fields.index("v_a"): 0, cfg.fields.index("s_a"): 1}
     if cfg.scales_aliased:
         aliases[cfg.fields.index("output_block_scale")] = len(results) - 1
+    host = HostCall(operation, options, specs, index)
+    call = _buffer_call(planned.plan, loose_plan, index, host, shapes, aliases, tuning)
+    return _Entry(call, shapes, out_dtype == FP8, host)
+
+
+def _buffer_call(plan: tuple, loose_plan: tuple, index: dict, host: HostCall, shapes: tuple, aliases: dict,
+                 tuning: _tuning.Tuning) -> Any:  # fmt: skip
+    """The ``buffer_callback`` of a traced merge: its launches prepared for every device (the
+    element-aligned plan's too, where it differs), results of ``shapes``, ``aliases`` (input
+    buffer -> result)."""
+    devices = _devices_to_prepare()
+    fast = _prepare(plan, devices, tuning)
+    slow = fast if loose_plan == plan else _prepare(loose_plan, devices, tuning)
+    callback = _callback(fast, _slots(plan, index), slow, _slots(loose_plan, index), host)
     jax = _jax()
-    call = jax.buffer_callback(
+    return jax.buffer_callback(
         callback,
         tuple(jax.jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes),
         input_output_aliases=aliases or None,
         command_buffer_compatible=True,
     )
-    return _Entry(call, shapes, out_dtype == FP8, host)
 
 
 def _jax_dtype(name: str) -> Any:
@@ -381,17 +389,7 @@ def _build_backward_entry(cfg: _Config, avals: tuple) -> _Entry:
     first_result = len(cfg.fields) + len(zeroed)  # buffers: inputs, the zeros, then the results
     index = {field: position for position, field in enumerate(cfg.fields)}
     index.update({field: first_result + position for position, (field, _, _) in enumerate(results)})
-    devices = _devices_to_prepare()
-    fast = _prepare(plan, devices, tuning)
-    slow = fast if loose_plan == plan else _prepare(loose_plan, devices, tuning)
-    host = HostCall(operation, options, specs, index)
-    callback = _callback(fast, _slots(plan, index), slow, _slots(loose_plan, index), host)
     aliases = {len(cfg.fields) + k: position for k, position in enumerate(zeroed)}
-    jax = _jax()
-    call = jax.buffer_callback(
-        callback,
-        tuple(jax.jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes),
-        input_output_aliases=aliases or None,
-        command_buffer_compatible=True,
-    )
+    host = HostCall(operation, options, specs, index)
+    call = _buffer_call(plan, loose_plan, index, host, shapes, aliases, tuning)
     return _Entry(call, shapes, False, host, zeroed)
