@@ -89,41 +89,6 @@ struct Partial {
     }
   }
 
-  // Folds in the partials of the row's other splits (`count` of them, `stride` apart in shared
-  // memory), MERGE_CHUNK at a time as fold takes states: a chunk's shared-memory loads issue
-  // together, then one rescale. Split 0 runs this alone after the barrier, so where rows are
-  // few it is on the critical path: one partial at a time, maxima first, it was a chain of
-  // dependent loads and exponentials (benchmarks/PERF.md, session 8). Slots past `count` are empty
-  // partials (weight zero).
-  __device__ __forceinline__ void combine(const Partial* others, int count, int stride) {
-#pragma unroll 1
-    for (int i0 = 0; i0 < count; i0 += MERGE_CHUNK) {
-      Partial chunk[MERGE_CHUNK];
-#pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j) {
-        if (i0 + j < count) {
-          chunk[j] = others[(i0 + j) * stride];
-        } else {
-          chunk[j].reset();
-        }
-      }
-      float new_max = lse_max;
-#pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j) {
-        any_nan |= chunk[j].any_nan;
-        new_max = fmaxf(new_max, chunk[j].lse_max);
-      }
-      const float base = rebase(new_max);
-#pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j) {
-        const float weight = exp_weight(chunk[j].lse_max - base);  // 0 for an empty partial (its sums are 0)
-        sum = fmaf(chunk[j].sum, weight, sum);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) acc[k] = weight == 0.0f ? acc[k] : fmaf(chunk[j].acc[k], weight, acc[k]);
-      }
-    }
-  }
-
   // Folds in one other partial (the block-wide tree of combine_splits takes them a pair at a time).
   __device__ __forceinline__ void merge(const Partial& other) {
     any_nan |= other.any_nan;
@@ -241,33 +206,44 @@ __device__ __forceinline__ void fold_row(Partial<VEC>& part, const float* row_ls
   }
 }
 
-// The partials of a block's `splits` thread rows (threadIdx.y; `packs` threads a row,
-// threadIdx.x), combined pack by pack into split 0's, as a tree: at level h, split y with
-// y % 2h == 0 folds in split y + h. Levels whose pairs lie within a warp (a power-of-two
-// row of at most 16 threads) exchange by shuffles; the rest through `shared`
-// ([splits - 1][packs] partials), one barrier a level: a level's writers (y % 2h == h) are
-// done after it, and the next level's (y % 4h == 2h) write slots no one reads before the
-// next barrier. log2(splits) steps instead of the splits - 1 a serial combine by split 0
-// takes: with few rows a block holds up to 1024 / packs splits (benchmarks/PERF.md, session 10).
-// Every thread of the block must call it.
+// The partials of a block's `splits` groups of `lanes` threads (the group's lane: `lane`; the
+// thread's index in the block is split x lanes + lane), combined lane by lane into split 0's, as
+// a tree: at level h, split y with y % 2h == 0 folds in split y + h. Levels whose pairs lie within
+// a warp (a power-of-two group of at most 16 threads) exchange by shuffles; the rest through
+// `shared` ([splits - 1][lanes] partials), one barrier a level: a level's writers (y % 2h == h) are
+// done after it, and the next level's (y % 4h == 2h) write slots no one reads before the next
+// barrier. log2(splits) steps instead of the splits - 1 of a serial combine (with few rows a block
+// holds up to 1024 / packs splits: benchmarks/PERF.md, session 10). Both N-way kernels combine
+// this way, so that a row's association order is the same whichever of them the planner picks
+// (batch invariance: splits past a row's own count are empty, and an empty partial folds in as an
+// exact no-op). Every thread of the block must call it.
 template <int VEC>
 __device__ __forceinline__ void combine_splits(Partial<VEC>& part, Partial<VEC>* shared, int split, int splits,
-                                               int packs) {
+                                               int lanes, int lane) {
   int h = 1;
-  if ((packs & (packs - 1)) == 0 && packs <= 16) {
-    const int thread = split * packs + static_cast<int>(threadIdx.x);
-    const int lanes = min(32, splits * packs - (thread & ~31));  // a block's last warp may be partial
-    const unsigned mask = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
-    for (; h < splits && 2 * h * packs <= 32; h *= 2) {
-      const Partial<VEC> other = part.shuffled_down(mask, h * packs);
+  if ((lanes & (lanes - 1)) == 0 && lanes <= 16) {
+    const int thread = split * lanes + lane;
+    const int active = min(32, splits * lanes - (thread & ~31));  // a block's last warp may be partial
+    const unsigned mask = active == 32 ? 0xffffffffu : (1u << active) - 1u;
+    for (; h < splits && 2 * h * lanes <= 32; h *= 2) {
+      const Partial<VEC> other = part.shuffled_down(mask, h * lanes);
       if (split % (2 * h) == 0 && split + h < splits) part.merge(other);
     }
   }
   for (; h < splits; h *= 2) {
-    if (split % (2 * h) == h) shared[(split - 1) * packs + threadIdx.x] = part;
+    if (split % (2 * h) == h) shared[(split - 1) * lanes + lane] = part;
     __syncthreads();
-    if (split % (2 * h) == 0 && split + h < splits) part.merge(shared[(split + h - 1) * packs + threadIdx.x]);
+    if (split % (2 * h) == 0 && split + h < splits) part.merge(shared[(split + h - 1) * lanes + lane]);
   }
+}
+
+// How many of the block's `splits` groups take a row of `count` states: all of them, or with
+// `split_states` > 0 (batch-invariant plans) one a `split_states` states, so that the row's
+// association order depends on its own count alone (the planner gives blocks splits enough for
+// every row). Group g < row_splits folds the chunks g, g + row_splits, ... of the row.
+__device__ __forceinline__ int row_splits(long long count, int splits, int split_states) {
+  if (split_states <= 0) return splits;
+  return static_cast<int>(max(1LL, min(static_cast<long long>(splits), (count + split_states - 1) / split_states)));
 }
 
 // SPLIT: whether the block's z threads share rows (the instantiation without it
@@ -283,7 +259,7 @@ __global__ void merge_many_states(
     long long v_stride_state, long long v_stride_token, long long v_stride_head,
     long long out_lse_stride_head, long long out_lse_stride_token,
     long long lse_stride_state, long long lse_stride_head, long long lse_stride_token,
-    long long lse_base_2, const float* sinks, int sinks_stride) {
+    long long lse_base_2, const float* sinks, int sinks_stride, int split_states) {
   using InPack = Pack<TIn, VEC>;
   using OutPack = Pack<TOut, VEC>;
   launch_dependents();
@@ -317,24 +293,21 @@ __global__ void merge_many_states(
     }
     const float* row_lse = lse + first * lse_stride_state + head * lse_stride_head + token * lse_stride_token;
     const InPack* column = reinterpret_cast<const InPack*>(v + first * v_stride_state + token * v_stride_token + head * v_stride_head);
-    const Index chunk_step = static_cast<Index>(splits) * MERGE_CHUNK;
+    const int taking = row_splits(count, splits, split_states);
+    const Index chunk_step = static_cast<Index>(taking) * MERGE_CHUNK;
+    const Index chunk_first = split < taking ? static_cast<Index>(split) * MERGE_CHUNK : count;
 
     for (Index pass = 0; pass < passes; ++pass) {
       const Index p = pass * blockDim.x + threadIdx.x;
       const bool has_pack = p < num_packs;
       Partial<VEC> part;
       part.reset();
-      fold_row(part, row_lse, column + p, static_cast<Index>(split * MERGE_CHUNK), chunk_step, count, lse_stride_state,
-               pack_stride_state, to_natural, has_pack);
+      fold_row(part, row_lse, column + p, chunk_first, chunk_step, count, lse_stride_state, pack_stride_state,
+               to_natural, has_pack);
       if constexpr (SPLIT) {
-        // Uniform across the block: every thread reaches both barriers.
-        const int slot = threadIdx.y * blockDim.x + threadIdx.x;
-        const int row_slots = blockDim.x * blockDim.y;
-        if (split > 0) shared_partials[(split - 1) * row_slots + slot] = part;
-        __syncthreads();
-        if (split == 0) {
-          part.combine(shared_partials + slot, splits - 1, row_slots);
-        }
+        // Uniform across the block: every thread reaches every barrier.
+        combine_splits(part, shared_partials, split, splits, static_cast<int>(blockDim.x * blockDim.y),
+                       static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x));
         __syncthreads();  // the slots are reused by the next pass
       }
       if (split != 0 || !token_valid) continue;
@@ -382,7 +355,7 @@ namespace cupy_merge {
 // 108 bytes: on Hopper parameters start at c[0x0][0x210], and these fill the rest of
 // the line that also holds the memory descriptor (which the first load reads anyway)
 // and the next line. The block's shape is among them (`block_packs` = blockDim.x,
-// `block_splits` = blockDim.y): blockDim lives in yet another line. The FP8 scale, the
+// `block_splits` = blockDim.y; `split_states`, see row_splits): blockDim lives in yet another line. The FP8 scale, the
 // ragged offsets and the group geometry follow.
 template <typename TIn, typename TOut, int VEC, bool SPLIT, bool RAGGED, bool GROUPED, bool SINKS>
 __global__ void merge_many_states_packed(
@@ -393,7 +366,7 @@ __global__ void merge_many_states_packed(
     int v_stride_token, int lse_stride_state, int lse_stride_head, int lse_stride_token,
     int block_packs, int block_splits,
     int packs_per_row, int out_stride_token, int out_lse_stride_head, int out_lse_stride_token,
-    int lse_base_2,
+    int lse_base_2, int split_states,
     const float* output_scale, const void* indptr, int indptr_bytes, int indptr_stride,
     float* output_block_scale, int block_scale_stride_token, int block_scale_stride_group,
     int packs_per_group, unsigned group_multiplier, unsigned group_shift, int scale_ue8m0,
@@ -430,10 +403,11 @@ __global__ void merge_many_states_packed(
 
   Partial<VEC> part;
   part.reset();
-  fold_row(part, row_lse, column, split * MERGE_CHUNK, splits * MERGE_CHUNK, count, lse_stride_state, v_stride_state,
-           to_natural, true);
+  const int taking = row_splits(count, splits, split_states);
+  fold_row(part, row_lse, column, split < taking ? split * MERGE_CHUNK : count, taking * MERGE_CHUNK, count,
+           lse_stride_state, v_stride_state, to_natural, true);
   if constexpr (SPLIT) {
-    combine_splits(part, shared_partials, split, splits, block_packs);  // uniform across the block
+    combine_splits(part, shared_partials, split, splits, block_packs, static_cast<int>(threadIdx.x));  // uniform
     if constexpr (!GROUPED) {
       if (split != 0) return;
     }

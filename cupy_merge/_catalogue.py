@@ -131,7 +131,7 @@ MANY_STRIDED = KernelFamily(
         "num_states", "num_tokens", "num_heads", "head_size",
         "out_stride_token", "out_stride_head", "v_stride_state", "v_stride_token", "v_stride_head",
         "out_lse_stride_head", "out_lse_stride_token",
-        "lse_stride_state", "lse_stride_head", "lse_stride_token", "lse_base_2", *SINKS,
+        "lse_stride_state", "lse_stride_head", "lse_stride_token", "lse_base_2", *SINKS, "split_states",
     ),
 )  # fmt: skip
 
@@ -149,7 +149,7 @@ MANY_PACKED = KernelFamily(
         "v_stride_token", "lse_stride_state", "lse_stride_head", "lse_stride_token",
         "block_packs", "block_splits",
         "packs_per_row", "out_stride_token", "out_lse_stride_head", "out_lse_stride_token",
-        "lse_base_2",
+        "lse_base_2", "split_states",
         "output_scale", "indptr", "indptr_bytes", "indptr_stride",
         *GROUP_SCALES, *SINKS,
     ),
@@ -183,7 +183,7 @@ BACKWARD = KernelFamily(
     "merge_states_backward",
     ("TIn", "TOut", "VEC", "PACKS", "SHORT", "RAGGED", "SINKS", "Index"),
     (
-        "gv0", "gv1", "gs0", "gs1", "grad_sinks", "v0", "v1", "s0", "s1", "grad_out", "grad_lse", "sinks",
+        "gv0", "gv1", "gs0", "gs1", "sink_terms", "v0", "v1", "s0", "s1", "grad_out", "grad_lse", "sinks",
         "indptr", "indptr_bytes", "indptr_stride", "num_states", "num_tokens", "num_heads", "head_size",
         "v0_stride_token", "v0_stride_head", "v1_stride_token", "v1_stride_head", "v_stride_state",
         "gv0_stride_token", "gv0_stride_head", "gv1_stride_token", "gv1_stride_head", "gv_stride_state",
@@ -200,7 +200,7 @@ BACKWARD_FROM_OUTPUT = KernelFamily(
     "merge_states_backward_from_output",
     ("TIn", "TOut", "VEC", "PACKS", "RAGGED", "SINKS", "Index"),
     (
-        "gv0", "gv1", "gs0", "gs1", "grad_sinks", "v0", "v1", "s0", "s1", "grad_out", "grad_lse", "out", "out_lse",
+        "gv0", "gv1", "gs0", "gs1", "sink_terms", "v0", "v1", "s0", "s1", "grad_out", "grad_lse", "out", "out_lse",
         "sinks", "indptr", "indptr_bytes", "indptr_stride", "num_states", "num_tokens", "num_heads", "head_size",
         "v0_stride_token", "v0_stride_head", "v1_stride_token", "v1_stride_head", "v_stride_state",
         "gv0_stride_token", "gv0_stride_head", "gv1_stride_token", "gv1_stride_head", "gv_stride_state",
@@ -212,7 +212,17 @@ BACKWARD_FROM_OUTPUT = KernelFamily(
     ),
 )  # fmt: skip
 
-FAMILIES = (TWO_STRIDED, TWO_PACKED, MANY_STRIDED, MANY_PACKED, RANK_PACK, RANK_SCALE, BACKWARD, BACKWARD_FROM_OUTPUT)
+#: The sinks' gradients from the rows' terms the gradient kernels store (in both gradient modules).
+SUM_SINK_TERMS = KernelFamily(
+    BACKWARD_SOURCE, "sum_sink_terms", ("THREADS",), ("grad_sinks", "sink_terms", "num_tokens", "num_heads")
+)
+#: Threads of a block of sum_sink_terms (one block a head).
+SINK_SUM_THREADS = 256
+
+FAMILIES = (
+    TWO_STRIDED, TWO_PACKED, MANY_STRIDED, MANY_PACKED, RANK_PACK, RANK_SCALE, BACKWARD, BACKWARD_FROM_OUTPUT,
+    SUM_SINK_TERMS,
+)  # fmt: skip
 
 #: Elements per vector pack, widest first, by the smaller element size of input
 #: and output: 16-byte packs where shapes and alignment allow.
@@ -259,21 +269,26 @@ def module_instances(module: Module) -> list[str]:
     instantiations with sinks.
     """
     a, b, sinks = module.in_dtype, module.out_dtype, module.sinks
+    sum_sinks = [SUM_SINK_TERMS.instance(THREADS=SINK_SUM_THREADS)] if sinks else []
     if module.source == BACKWARD_SOURCE:
         return [
-            BACKWARD.instance(TIn=a, TOut=b, VEC=vec, PACKS=held, SHORT=short, RAGGED=ragged, SINKS=sinks, Index=index)
+            BACKWARD.instance(
+                TIn=a, TOut=b, VEC=vec, PACKS=held, SHORT=short, RAGGED=ragged, SINKS=sinks, Index=index
+            )
             for vec in vector_widths(a, b)
             for held, short, ragged in BACKWARD_ROW_KINDS
             for index in INDEX_TYPES
-        ]
+        ] + sum_sinks
     if module.source == BACKWARD_FROM_OUTPUT_SOURCE:
         return [
-            BACKWARD_FROM_OUTPUT.instance(TIn=a, TOut=b, VEC=vec, PACKS=held, RAGGED=ragged, SINKS=sinks, Index=index)
+            BACKWARD_FROM_OUTPUT.instance(
+                TIn=a, TOut=b, VEC=vec, PACKS=held, RAGGED=ragged, SINKS=sinks, Index=index
+            )
             for vec in vector_widths(a, b)
             for held in (0, 1, 2)
             for ragged in (False, True)
             for index in INDEX_TYPES
-        ]
+        ] + sum_sinks
     if module.source == RANKS_SOURCE:
         return [
             family.instance(T=a, VEC=vec)

@@ -388,13 +388,19 @@ def plan_many_states(
         "lse_base_2": options.lse_base_2, "output_scale": _pointer(specs, "output_scale"), **_sinks(specs),
     }  # fmt: skip
     index = index_type([out, out_lse, v, s, indptr], num_tokens * num_heads, num_states)
+    # Batch-invariant: each row's splits from its own count (the kernels' row_splits).
+    split_states = tuning.invariant_split_states if tuning.batch_invariant else 0
     packs_per_row = head_size // vec
     chunk = tuning.merge_chunk
     if grouped or _packed_kernel_fits(vec, widths, index, head_size, [out, v], tuning):
         geometry = _packed_geometry(state, vec)
         group = _group_geometry(specs.output_block_scale, group_size, vec)
         row_states = num_states if indptr is None else -(-num_states // num_tokens)  # ragged: the mean
-        threads_x, splits = choose_packed_block(geometry["total_packs"], row_states, group["packs_per_group"], tuning)
+        if tuning.batch_invariant:
+            splits = invariant_splits(num_states, group["packs_per_group"], tuning)
+        else:
+            splits = choose_state_splits(row_states, geometry["total_packs"], chunk, tuning, tuning.packed_max_splits)
+        threads_x, splits = choose_packed_block(geometry["total_packs"], splits, group["packs_per_group"], tuning)
         grid = (-(-geometry["total_packs"] // threads_x), 1, 1)
         strides = {
             "out_stride_token": _in_packs(out.strides[0], num_tokens, vec),
@@ -414,12 +420,17 @@ def plan_many_states(
         if grouped:
             shared += 4 * (threads_x // group["packs_per_group"])
         block_shape = {"block_packs": threads_x, "block_splits": splits}
-        args = {**common, **geometry, **strides, **group, **block_shape, "scale_ue8m0": options.scale_ue8m0}
+        args = {**common, **geometry, **strides, **group, **block_shape, "scale_ue8m0": options.scale_ue8m0,
+                "split_states": split_states}  # fmt: skip
         return (_launch(cat.MANY_PACKED, module, template, grid, (threads_x, splits, 1), shared, args),)
 
     threads_x, rows_y = choose_block(packs_per_row, num_tokens, tuning)
-    splits = choose_state_splits(num_states, num_tokens * num_heads * threads_x, chunk, tuning)
-    splits = max(1, min(splits, tuning.max_block_threads // threads_x))
+    if tuning.batch_invariant:  # the splits every row needs, the threads across a row fewer if need be
+        splits = invariant_splits(num_states, 1, tuning)
+        threads_x = max(1, min(threads_x, tuning.max_block_threads // splits))
+    else:
+        splits = choose_state_splits(num_states, num_tokens * num_heads * threads_x, chunk, tuning)
+        splits = max(1, min(splits, tuning.max_block_threads // threads_x))
     rows_y = max(1, min(rows_y, tuning.max_block_threads // (threads_x * splits)))
     grid = (min(-(-num_tokens // rows_y) * num_heads, MAX_GRID_X), 1, 1)
     args = {
@@ -427,6 +438,7 @@ def plan_many_states(
         "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size,
         "out_stride_token": out.strides[0], "out_stride_head": out.strides[1],
         "v_stride_state": v_state, "v_stride_token": v_token, "v_stride_head": v_head,
+        "split_states": split_states,
     }  # fmt: skip
     template = {"TIn": state.dtype, "TOut": out.dtype, "VEC": vec, "SPLIT": splits > 1, "Index": index,
                 "SINKS": specs.sinks is not None}  # fmt: skip
@@ -440,23 +452,20 @@ def _partial_bytes(vec: int) -> int:
 
 
 def choose_packed_block(
-    total_packs: int, row_states: int, packs_per_group: int, tuning: Tuning
+    total_packs: int, splits: int, packs_per_group: int, tuning: Tuning
 ) -> tuple[int, int]:
-    """The packed N-way kernel's block: (packs, splits of each pack's states).
+    """The packed N-way kernel's block: (packs, splits of each pack's states), for ``splits``
+    wanted (``choose_state_splits`` or ``invariant_splits``).
 
-    Enough splits that the grid holds ``busy_threads`` threads (at most one
-    chunk of states a split, ``packed_max_splits``); ``packed_many_threads``
-    threads a block, at least ``min_row_threads`` packs wide. With few rows the
+    ``packed_many_threads`` threads a block, at least ``min_row_threads`` packs wide. With few rows the
     block narrows (down to ``min_pack_threads`` packs) while there would be
     fewer than ``min_blocks`` blocks and it holds more than
     ``packed_many_threads`` threads: a decode step's rows of hundreds of states
     spread over the multiprocessors, and one of 16 states keeps its one block of
     128 threads (faster: session 10's sweep). The splits then fill at most
-    ``packed_block_limit`` threads. A block holds whole FP8 groups.
+    ``packed_block_limit`` threads. A block holds whole FP8 groups. (Batch-invariant
+    splits fit by construction: ``invariant_splits``.)
     """
-    splits = choose_state_splits(
-        row_states, total_packs, tuning.merge_chunk, tuning, tuning.packed_max_splits
-    )
     packs = max(tuning.min_row_threads, tuning.packed_many_threads // splits)
     while (
         packs > tuning.min_pack_threads
@@ -481,6 +490,23 @@ def choose_state_splits(
     wanted = -(-tuning.busy_threads // max(row_threads, 1))
     useful = -(-num_states // chunk)
     return max(1, min(wanted, useful, tuning.max_splits if max_splits is None else max_splits))
+
+
+def invariant_splits(row_states: int, packs_per_group: int, tuning: Tuning) -> int:
+    """A batch-invariant N-way block's splits: enough for a row of ``row_states`` states (a ragged
+    batch's total: its longest row's bound), one a ``tuning.invariant_split_states`` states, at
+    most ``tuning.invariant_max_splits`` (and as many as a block of whole FP8 groups of
+    ``packs_per_group`` packs holds). Each row then takes the kernels' ``row_splits`` of them,
+    a function of its own count."""
+    most = min(tuning.invariant_max_splits, max(1, tuning.packed_block_limit // packs_per_group))
+    return max(1, min(most, -(-row_states // tuning.invariant_split_states)))
+
+
+def row_splits(count: int, splits: int, tuning: Tuning) -> int:
+    """How many of a block's ``splits`` fold a row of ``count`` states (the kernels' ``row_splits``)."""
+    if not tuning.batch_invariant:
+        return splits
+    return max(1, min(splits, -(-count // tuning.invariant_split_states)))
 
 
 def _state_offset(spec: ArraySpec, index: int) -> int:
@@ -537,6 +563,8 @@ def backward_rows(packs: int, rows: int, row_states: int, ragged: bool, tuning: 
         return BackwardRows(0, 0, 1)
     if not ragged and 1 <= row_states <= 4 and packs <= 32:
         return BackwardRows(1, 2 if row_states == 2 else 4, _lanes(packs, 1))
+    if tuning.batch_invariant:  # a row's sums follow its packs alone: one group, one block a row
+        return _invariant_rows(packs)
     held = 0 if packs > 64 else 2 if packs > 32 else 1
     if held == 1 and packs > 1:
         lanes, chunks = _lanes(packs, 2), -(-row_states // _span(2, ragged, tuning))
@@ -552,6 +580,15 @@ def backward_rows(packs: int, rows: int, row_states: int, ragged: bool, tuning: 
     most = min(chunks // (groups * tuning.backward_split_chunks), MAX_GRID_Y)
     splits = _halvings(rows * lanes * groups, most, busy) if most >= 2 else 1
     return BackwardRows(held, 0, lanes, groups, splits)
+
+
+def _invariant_rows(packs: int) -> BackwardRows:
+    """A batch-invariant gradient's way through rows of ``packs`` packs: the many-rows choice of
+    packs a lane (two where a row has more than one), whatever the number of rows, so that the
+    lanes a row's sums over its packs meet in are the row's own (one group: its states' sums
+    in one order)."""
+    held = 0 if packs > 64 else 2 if packs > 1 else 1
+    return BackwardRows(held, 0, _lanes(packs, held) if held else 32)
 
 
 def _lanes(packs: int, held: int) -> int:
@@ -584,7 +621,9 @@ def backward_from_output_rows(packs: int, rows: int, row_states: int, ragged: bo
     (ragged: ``backward_from_output_ragged_busy_threads``)."""
     if packs == 0:
         return BackwardRows(0, 0, 1)
-    two = packs > 32 or (packs > 1 and rows >= tuning.backward_from_output_two_pack_rows)
+    # Batch-invariant: the packs a lane (its sums' order) never follow the rows; the blocks a row
+    # may (a state's sums are its own in this kernel).
+    two = packs > 32 or (packs > 1 and (tuning.batch_invariant or rows >= tuning.backward_from_output_two_pack_rows))
     held = 0 if packs > 64 else 2 if two else 1
     lanes = _lanes(packs, held) if held else 32
     # Held chunks' states: staged dense chunks are smaller (backward_given_chunk), so the splits
@@ -613,8 +652,12 @@ def plan_backward(
     rows = num_tokens * num_heads
     # Ragged: the mean (counting rows no token owns); no tokens: nothing to split.
     row_states = (-(-num_states // num_tokens) if num_tokens else 0) if ragged else num_states
-    from_output = (specs.merged is not None and rows < tuning.backward_from_output_rows
-                   and row_states >= tuning.backward_from_output_states)  # fmt: skip
+    # Batch-invariant: given the results, always the kernel that reads them (the other one's S is
+    # its own fold: a gradient must not change kernels with the batch's size).
+    from_output = specs.merged is not None and (
+        tuning.batch_invariant
+        or (rows < tuning.backward_from_output_rows and row_states >= tuning.backward_from_output_states)
+    )
     source = cat.BACKWARD_FROM_OUTPUT_SOURCE if from_output else cat.BACKWARD_SOURCE
     module = cat.Module(source, state.dtype, grad_out.dtype, specs.sinks is not None, tuning.compile_options)
     values = [v, grad_out, specs.grad_v] + ([specs.v_b, specs.grad_v_b] if two_way else [])
@@ -639,7 +682,7 @@ def plan_backward(
     args: dict[str, Any] = {
         "gv0": Pointer("grad_v"), "gs0": Pointer("grad_s"), "v0": Pointer("v"), "s0": Pointer("s"),
         "grad_out": Pointer("grad_out"), "grad_lse": _pointer(specs, "grad_lse"),
-        "sinks": _pointer(specs, "sinks"), "grad_sinks": _pointer(specs, "grad_sinks"),
+        "sinks": _pointer(specs, "sinks"), "sink_terms": Pointer(SINK_TERMS) if specs.sinks is not None else 0,
         "indptr": _pointer(specs, "indptr"), "indptr_bytes": specs.indptr.itemsize if ragged else 8,
         "indptr_stride": specs.indptr.strides[0] if ragged else 0,
         "num_states": num_states, "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size,
@@ -680,15 +723,33 @@ def plan_backward(
             **_lse_strides("out_lse", specs.merged_lse),
         })  # fmt: skip
         grid = (_grid_x(zeroing_blocks if splits == 1 else token_blocks), splits, 1)
-        return (_launch(cat.BACKWARD_FROM_OUTPUT, module, template, grid, block, 0, args),)
+        launch = _launch(cat.BACKWARD_FROM_OUTPUT, module, template, grid, block, 0, args)
+        return (launch, *_sum_sinks(specs, state, module))
     template["SHORT"] = short
     if splits == 1:
-        return (_launch(cat.BACKWARD, module, template, (_grid_x(zeroing_blocks), 1, 1), block, 0, {**args, "finish": 0}),)
+        whole = _launch(cat.BACKWARD, module, template, (_grid_x(zeroing_blocks), 1, 1), block, 0, {**args, "finish": 0})
+        return (whole, *_sum_sinks(specs, state, module))
     split = _launch(cat.BACKWARD, module, template, (_grid_x(token_blocks), splits, 1), block, 0, {**args, "finish": 0})
     # The finishing launch, over the rows' LSEs and LSE gradients only: the same block shape (its
     # groups fold the merged LSE as the split launch's did, to the bit).
     finish = _launch(cat.BACKWARD, module, template, (_grid_x(zeroing_blocks), 1, 1), block, 0, {**args, "finish": 1})
-    return split, finish
+    return (split, finish, *_sum_sinks(specs, state, module))
+
+
+#: The gradient kernels' scratch: each row's term of its sink's gradient, ``[heads, tokens]``
+#: float32, zeroed (a row the kernels leave, such as a ragged token of bad offsets, adds 0).
+SINK_TERMS = "sink_terms"
+
+
+def _sum_sinks(specs: BackwardOperands, state: StateShape, module: cat.Module) -> tuple[KernelLaunch, ...]:
+    """The launch that adds the rows' sink terms into the sinks' gradients, in a fixed order."""
+    if specs.sinks is None:
+        return ()
+    args = {"grad_sinks": Pointer("grad_sinks"), "sink_terms": Pointer(SINK_TERMS),
+            "num_tokens": state.num_tokens, "num_heads": state.num_heads}  # fmt: skip
+    grid = (_grid_x(state.num_heads), 1, 1)
+    threads = cat.SINK_SUM_THREADS
+    return (_launch(cat.SUM_SINK_TERMS, module, {"THREADS": threads}, grid, (threads, 1, 1), 0, args),)
 
 
 def _grid_x(blocks: int) -> int:

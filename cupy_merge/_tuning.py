@@ -136,6 +136,15 @@ class Tuning:
     backward_given_stages: int = 4
     backward_given_ragged_chunk: int = 4
     backward_given_ragged_stages: int = 2
+    #: Batch-invariant plans (``cupy_merge.batch_invariant``): a row's result is the same bits
+    #: whatever else is in the batch. An N-way row of n states is folded by
+    #: min(invariant_max_splits, ceil(n / invariant_split_states)) groups of threads, whose partials
+    #: meet in one tree (never a number of splits chosen from the batch's size); gradients take a
+    #: way through their rows chosen from the rows' shape alone (their reductions over a row's
+    #: packs and states then follow it).
+    batch_invariant: bool = False
+    invariant_split_states: int = 8
+    invariant_max_splits: int = 16
     #: Programmatic dependent launch on sm_90 and newer: a merge's blocks start while the kernel
     #: before it drains, and wait for its results before their first load. Off by default: in a
     #: CUDA-graph chain (producer, merge, consumer) it saved nothing measurable (within +-1 us at
@@ -173,15 +182,28 @@ class Tuning:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
-#: The default tuning; ``CUPY_MERGE_PDL=1`` in the environment turns programmatic launch on.
-DEFAULT = Tuning(programmatic_launch=os.environ.get("CUPY_MERGE_PDL", "0") == "1")
+#: The default tuning; ``CUPY_MERGE_PDL=1`` in the environment turns programmatic launch on,
+#: ``CUPY_MERGE_BATCH_INVARIANT=1`` batch-invariant plans.
+DEFAULT = Tuning(
+    programmatic_launch=os.environ.get("CUPY_MERGE_PDL", "0") == "1",
+    batch_invariant=os.environ.get("CUPY_MERGE_BATCH_INVARIANT", "0") == "1",
+)
 
-_current: contextvars.ContextVar[Tuning] = contextvars.ContextVar("cupy_merge_tuning", default=DEFAULT)
+_current: contextvars.ContextVar[Tuning] = contextvars.ContextVar("cupy_merge_tuning")
 
 
 def current() -> Tuning:
     """The tuning merges on this thread (and task) plan with: :data:`DEFAULT` unless inside :func:`use`."""
-    return _current.get()
+    return _current.get(DEFAULT)
+
+
+def set_default(tuning: Tuning) -> None:
+    """Make ``tuning`` the process's default, for every thread not inside :func:`use` (the
+    dispatcher's ``set_default_tuning`` keeps the calls it prepared for each default apart)."""
+    global DEFAULT
+    if not isinstance(tuning, Tuning):
+        raise TypeError(f"tuning: expected a cupy_merge._tuning.Tuning, got {type(tuning).__name__}")
+    DEFAULT = tuning
 
 
 @contextlib.contextmanager
