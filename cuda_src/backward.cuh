@@ -300,4 +300,27 @@ __device__ void zero_unowned_rows(TIn* gv0, TIn* gv1, float* gs0, float* gs1, co
   }
 }
 
+// The sinks' gradients from the rows' terms ([num_heads, num_tokens], each row's
+// w_z (dS - <dV, V>)): grad_sinks[h] = the sum of head h's terms, always in the same order (a block
+// of THREADS threads a head, thread x adding tokens x, x + THREADS, ..., then a fixed tree), so
+// that the gradient is the same bits on every run (no atomics). A NaN term makes its head's NaN.
+template <int THREADS>
+__global__ void sum_sink_terms(float* grad_sinks, const float* sink_terms, long long num_tokens, long long num_heads) {
+  __shared__ float partial[THREADS];
+  for (long long head = blockIdx.x; head < num_heads; head += gridDim.x) {
+    const float* terms = sink_terms + head * num_tokens;
+    float sum = 0.0f;
+    for (long long token = threadIdx.x; token < num_tokens; token += THREADS) sum += terms[token];
+    partial[threadIdx.x] = sum;
+    __syncthreads();
+#pragma unroll
+    for (int half = THREADS / 2; half > 0; half /= 2) {
+      if (static_cast<int>(threadIdx.x) < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) grad_sinks[head] = partial[0];
+    __syncthreads();  // partial is rewritten for the next head
+  }
+}
+
 }  // namespace cupy_merge

@@ -4,7 +4,10 @@
 // Given the gradients dV of V and dS of S:
 //   dV_i = w_i dV
 //   ds_i = w_i (<dV, V_i> - <dV, V> + dS)        (<.,.> over head_size; <dV, V> = sum_i w_i <dV, V_i>)
-//   dz   = w_z (dS - <dV, V>),  w_z = exp(z - S)  (summed over the tokens of the sink's head)
+//   dz   = w_z (dS - <dV, V>),  w_z = exp(z - S)  (summed over the tokens of the sink's head: each
+//          row's term is stored in sink_terms [heads, tokens], zeroed by the caller, and
+//          sum_sink_terms adds them up in a fixed order, so the sinks' gradients are the same bits
+//          run to run, where float atomics added them in the order the blocks ran)
 // A state of weight zero gets zero gradients, never NaN, even when its values are NaN. A row
 // whose S is NaN (a NaN LSE or sink) gets NaN gradients; an empty row (S = -inf) zeros.
 // Base-2 LSEs (lse_base_2): s and S are converted to natural log on the way in, and ds to base 2
@@ -125,7 +128,7 @@ struct GroupFold {
 template <typename TIn, typename TOut, int VEC, int PACKS, int SHORT, bool RAGGED, bool SINKS, typename Index>
 __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PACKS, SHORT, RAGGED, TIn, VEC>) merge_states_backward(
     TIn* __restrict__ gv0, TIn* __restrict__ gv1, float* __restrict__ gs0, float* __restrict__ gs1,
-    float* grad_sinks,
+    float* sink_terms,
     const TIn* __restrict__ v0, const TIn* __restrict__ v1, const float* __restrict__ s0, const float* __restrict__ s1,
     const TOut* __restrict__ grad_out, const float* __restrict__ grad_lse, const float* __restrict__ sinks,
     const void* indptr, long long indptr_bytes, long long indptr_stride,
@@ -280,7 +283,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
         if (lane == 0 && group == 0 && valid && !bad) {
           const float w_z = broken ? quiet_nan() : S == positive_infinity() ? 1.0f
                             : S == negative_infinity() ? 0.0f : backward_weight(sink - S);
-          atomicAdd(grad_sinks + head, w_z == 0.0f ? 0.0f : w_z * (dS - dot_v));
+          sink_terms[head * static_cast<Index>(num_tokens) + token] = w_z == 0.0f ? 0.0f : w_z * (dS - dot_v);
         }
       }
     };

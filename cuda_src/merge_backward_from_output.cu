@@ -65,7 +65,7 @@ constexpr int kFromOutputMinBlocks = sizeof(Index) != 4 ? 1
 template <typename TIn, typename TOut, int VEC, int PACKS, bool RAGGED, bool SINKS, typename Index>
 __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, PACKS, RAGGED, kFromOutputStaged<TIn, VEC, PACKS, RAGGED>>) merge_states_backward_from_output(
     TIn* __restrict__ gv0, TIn* __restrict__ gv1, float* __restrict__ gs0, float* __restrict__ gs1,
-    float* grad_sinks,
+    float* sink_terms,
     const TIn* __restrict__ v0, const TIn* __restrict__ v1, const float* __restrict__ s0, const float* __restrict__ s1,
     const TOut* __restrict__ grad_out, const float* __restrict__ grad_lse, const TOut* __restrict__ out,
     const float* __restrict__ out_lse, const float* __restrict__ sinks,
@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, 
       if (lane == 0 && !bad) {
         const float sink = sink_logit<SINKS>(sinks, static_cast<int>(sinks_stride), head);
         const float w_z = S == positive_infinity() ? 1.0f : S == negative_infinity() ? 0.0f : backward_weight(sink - S);
-        atomicAdd(grad_sinks + head, w_z == 0.0f ? 0.0f : w_z * (dS - dot_v));
+        sink_terms[head * static_cast<Index>(num_tokens) + token] = w_z == 0.0f ? 0.0f : w_z * (dS - dot_v);
       }
     }
   }

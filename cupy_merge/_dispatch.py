@@ -50,12 +50,14 @@ _plans: dict[tuple, Planned] = {}
 
 class FreshOutput(NamedTuple):
     """An output allocated anew on each run: its operand field, shape and dtype (``zeroed``: filled
-    with zeros, for outputs the kernel adds into or may leave partly unwritten)."""
+    with zeros, for outputs the kernel adds into or may leave partly unwritten; ``scratch``: no
+    result, memory the call's launches pass between them)."""
 
     field: str
     shape: tuple[int, ...]
     dtype: str
     zeroed: bool = False
+    scratch: bool = False
 
 
 class Planned(NamedTuple):
@@ -117,6 +119,17 @@ def register_jax(jax_call: Callable[..., Any]) -> None:
     """Hand merges of JAX arrays and tracers to ``jax_call(operation, options, operands, stream)``."""
     global _jax_call
     _jax_call = jax_call
+
+
+def set_default_tuning(tuning: _tuning.Tuning) -> None:
+    """Make ``tuning`` the process's default; the calls prepared for the old one are kept with
+    the other tunings' (``_calls`` serves the default alone, by identity)."""
+    global _calls
+    old = _tuning.DEFAULT
+    _tuning.set_default(tuning)
+    if tuning is not old:
+        _calls_by_tuning[old] = _calls
+        _calls = _calls_by_tuning.pop(tuning, {})
 
 
 # -- the call sequence ----------------------------------------------------------------------------
@@ -290,11 +303,17 @@ def _plan_backward(
     for field, like in pairs:
         dtype = like.dtype
         fresh.append(FreshOutput(field, tuple(like.shape), dtype))
-        specs = specs._replace(**{field: _arrays.contiguous_spec(tuple(like.shape), dtype, like.itemsize, state.device)})
+        specs = specs._replace(
+            **{field: _arrays.contiguous_spec(tuple(like.shape), dtype, like.itemsize, state.device)}
+        )
     if specs.sinks is not None:
-        fresh.append(FreshOutput("grad_sinks", (state.num_heads,), "float32", True))
         specs = specs._replace(grad_sinks=_arrays.contiguous_spec((state.num_heads,), "float32", 4, state.device))
     plan = _plan.plan_backward(state, num_states, specs, options, tuning)
+    if specs.sinks is not None:  # summed from the rows' terms by the plan's last launch (zeros with no launch)
+        fresh.append(FreshOutput("grad_sinks", (state.num_heads,), "float32", zeroed=not plan))
+        if plan:
+            terms = (state.num_heads * state.num_tokens,)
+            fresh.append(FreshOutput(_plan.SINK_TERMS, terms, "float32", zeroed=True, scratch=True))
     return Planned(plan, state, tuple(fresh), None)
 
 

@@ -135,6 +135,7 @@ class _Entry(NamedTuple):
     fp8: bool
     host: HostCall | None = None
     zeroed: tuple[int, ...] = ()  # results that start as zeros (passed in as aliased inputs)
+    scratch: int = 0  # the last results are the launches' scratch, no result of the merge
 
 
 _entries: dict[tuple, _Entry] = {}
@@ -366,17 +367,19 @@ def _build_backward_entry(cfg: _Config, avals: tuple) -> _Entry:
     gradients = {}
     for fresh in planned.fresh:
         like = _GRADIENT_OF.get(fresh.field)
-        if like is None:  # the sinks'
+        if like is None:  # the sinks' (or the launches' scratch)
             shape, dtype = tuple(fresh.shape), numpy.dtype("float32")
-            gradients[fresh.field] = _arrays.contiguous_spec(shape, "float32", 4, 0)
+            if not fresh.scratch:
+                gradients[fresh.field] = _arrays.contiguous_spec(shape, "float32", 4, 0)
         else:
             shape, dtype = physical[like]
             gradients[fresh.field] = _spec(shape, dtype, cfg.layout(like))
         results.append((fresh.field, shape, numpy.dtype(dtype)))
     zeroed = tuple(position for position, fresh in enumerate(planned.fresh) if fresh.zeroed)
     shapes = tuple((shape, dtype) for _, shape, dtype in results)
+    scratch = sum(fresh.scratch for fresh in planned.fresh)
     if not planned.plan:  # no heads, or no tokens of a dense merge: nothing to write
-        return _Entry(None, shapes, False, zeroed=zeroed)
+        return _Entry(None, shapes, False, zeroed=zeroed, scratch=scratch)
     specs = specs._replace(**gradients)
     names: Any = operation.names
     state, num_states = _checks.check_backward(specs, names, options)
@@ -392,4 +395,4 @@ def _build_backward_entry(cfg: _Config, avals: tuple) -> _Entry:
     aliases = {len(cfg.fields) + k: position for k, position in enumerate(zeroed)}
     host = HostCall(operation, options, specs, index)
     call = _buffer_call(plan, loose_plan, index, host, shapes, aliases, tuning)
-    return _Entry(call, shapes, False, host, zeroed)
+    return _Entry(call, shapes, False, host, zeroed, scratch)

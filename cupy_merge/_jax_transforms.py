@@ -459,10 +459,11 @@ def _raw_backward(cfg: _Config, arrays: tuple) -> tuple:
     jnp = _jax().jnp
     avals = tuple((tuple(x.shape), numpy.dtype(x.dtype)) for x in arrays)
     entry = _entry(cfg, avals, _build_backward_entry)
+    kept = len(entry.results) - entry.scratch
     if entry.call is None:
-        return tuple(jnp.zeros(shape, dtype) for shape, dtype in entry.results)
+        return tuple(jnp.zeros(shape, dtype) for shape, dtype in entry.results[:kept])
     zeros = [jnp.zeros(*entry.results[position]) for position in entry.zeroed]
-    return _varying(tuple(entry.call(*arrays, *zeros)), arrays)
+    return _varying(tuple(entry.call(*arrays, *zeros))[:kept], arrays)
 
 
 @functools.cache

@@ -132,7 +132,7 @@ def _ragged_backward(v, s, indptr, grad_out, grad_lse, sinks, base):
 
 def _numpy_backward(specs, view, f64, base) -> None:
     """The backward kernels: the float64 reference's gradients written through the gradients' specs
-    (the sinks' added into their buffer, which must start as zeros)."""
+    (the sinks' too: the last launch writes them whole, summed from the rows' terms)."""
     grad_out, grad_lse, sinks = f64("grad_out"), f64("grad_lse"), f64("sinks")
     if specs.v_b is not None:
         *grads, grad_sinks = reference.merge_state_backward(
@@ -153,7 +153,7 @@ def _numpy_backward(specs, view, f64, base) -> None:
         view("grad_v")[...] = grad_v.astype(view("grad_v").dtype)
         view("grad_s")[...] = grad_s
     if grad_sinks is not None:
-        view("grad_sinks")[...] += grad_sinks.astype(np.float32)
+        view("grad_sinks")[...] = grad_sinks.astype(np.float32)
 
 
 @pytest.fixture
@@ -1086,21 +1086,25 @@ def test_a_backward_launch_is_prepared_at_trace_time_and_writes_into_the_zeros_i
     assert "output_operand_aliases" in grad.lower(v, s, sinks).as_text()
     grad(v, s, sinks)
     (entry,) = [e for e in _jax_launch._entries.values() if e.zeroed]
-    assert len(entry.zeroed) == 1  # the sinks' gradient starts as zeros (the kernel writes the others whole)
-    assert "merge_states_backward<" in recorder.launched[-1][0][1].kernel
+    # The rows' sink terms start as zeros (the kernel writes the gradients whole), a scratch result.
+    assert len(entry.zeroed) == 1 and entry.scratch == 1
+    kernels = [launch.kernel for (_, launch, _), _, _ in recorder.launched[-2:]]
+    assert "merge_states_backward<" in kernels[0] and "sum_sink_terms<" in kernels[1]
     index = entry.host.index
     first_result = min(index[field] for field in ("grad_v", "grad_s", "grad_sinks"))
     pointers = recorder.pointers[-(first_result + len(entry.results)) :]
     inputs = first_result - len(entry.zeroed)
     for k, position in enumerate(entry.zeroed):
         assert pointers[inputs + k] == pointers[first_result + position], "a zeroed result is not its zeros"
-    (_, launch, _), stream, patches = recorder.launched[-1]
-    assert stream == 1234
-    assert patches == [(slot, pointers[index[field]] + offset) for slot, field, offset in launch.pointers]
-    assert {field for _, field, _ in launch.pointers} >= {
+    for (_, launch, _), stream, patches in recorder.launched[-2:]:
+        assert stream == 1234
+        assert patches == [(slot, pointers[index[field]] + offset) for slot, field, offset in launch.pointers]
+    (_, gradients, _), (_, sums, _) = (launched for launched, _, _ in recorder.launched[-2:])
+    assert {field for _, field, _ in sums.pointers} == {"grad_sinks", "sink_terms"}
+    assert {field for _, field, _ in gradients.pointers} >= {
         "grad_v",
         "grad_s",
-        "grad_sinks",
+        "sink_terms",
         "indptr",
         "grad_out",
     }
