@@ -41,6 +41,7 @@ if HAS_CUPY:
     from ._kernels import KernelCompileError
     from .backward import merge_state_backward, merge_states_backward, merge_states_varlen_backward
     from .bound import BoundMerge, bind
+    from .invariance import batch_invariant, is_batch_invariant, set_batch_invariant
     from .merge import merge_attn_states, merge_state, merge_state_in_place
     from .merge_many import merge_states, merge_states_varlen
 
@@ -48,8 +49,10 @@ __all__ = [
     "BoundMerge",
     "KernelCompileError",
     "__version__",
+    "batch_invariant",
     "bind",
     "distributed",
+    "is_batch_invariant",
     "merge_attn_states",
     "merge_state",
     "merge_state_backward",
@@ -59,5 +62,6 @@ __all__ = [
     "merge_states_varlen",
     "merge_states_varlen_backward",
     "reference",
+    "set_batch_invariant",
     "types",
 ]

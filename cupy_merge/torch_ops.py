@@ -618,6 +618,8 @@ def _make_function(torch: Any, operation: _ops.Operation) -> Any:
             merged, lse = _dispatch.call(operation, options, operands, None)  # grad mode is off in here
             ctx.save_for_backward(*args[:count], *((merged, lse) if operation.backward_reads_results else ()))
             ctx.lse_base = "2" if options.lse_base_2 else "e"
+            # Autograd's thread runs the backward outside this context (compiled code: the process's default).
+            ctx.tuning = None if _compiling() else _tuning.current()
             return merged, lse
 
         @staticmethod
@@ -628,7 +630,12 @@ def _make_function(torch: Any, operation: _ops.Operation) -> Any:
             arrays = {field: given[of] for field, of in operation.backward_inputs.items()}
             operands = BackwardOperands(None, None, grad_out=_unit_last(grad_v), grad_lse=_dense(grad_s), merged=merged,
                                         merged_lse=merged_lse, **arrays)  # fmt: skip
-            grads = _dispatch.call(backward, _options.backward_options(lse_base=ctx.lse_base), operands, None)
+            options = _options.backward_options(lse_base=ctx.lse_base)
+            if ctx.tuning is None:
+                grads = _dispatch.call(backward, options, operands, None)
+            else:
+                with _tuning.use(ctx.tuning):
+                    grads = _dispatch.call(backward, options, operands, None)
             by_field = dict(zip(operation.gradients, grads))
             return (*(by_field.get(field) for field in fields), *(None,) * len(option_type._fields))
 

@@ -25,7 +25,11 @@ heads sharded over the ranks
   ``4 (W - 1) + b (W - 1) / W`` bytes, two collectives.
 
 ``"auto"`` picks by a cost model of collectives and bytes (:func:`choose_strategy`;
-benchmarks/PERF.md has it beside measurements). Attention sinks (``sinks=``) are
+benchmarks/PERF.md has it beside measurements); in batch-invariant mode
+(:func:`cupy_merge.set_batch_invariant`) it picks the exchanging strategy of the layout, whose
+local merge takes the ranks' states in rank order: every rank gets the same bits, the same
+as a merge of the gathered states on one GPU. The summing strategies' results follow
+NCCL's order of summation, which no mode fixes. Attention sinks (``sinks=``) are
 counted once over all ranks, by every strategy. The summing strategies add values in
 their own dtype (as vLLM does): for 16-bit values each rank's term is rounded
 once more than in the exchanging ones. Every rank must pass the same shapes and

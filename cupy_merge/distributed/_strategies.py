@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .. import _arrays, _checks, _dispatch, _kernels, _options
+from .. import _arrays, _checks, _dispatch, _kernels, _options, _tuning
 from .._arrays import HOST, ArrayView
 from .._checks import RANK_NAMES, StateShape
 from .._operands import RankOperands
@@ -83,7 +83,9 @@ def resolve(
     _checks.check_rank_addresses(RankOperands(**{f: views.get(f) for f in arrays._fields}), RANK_NAMES)
     if adapter is _arrays.TORCH:
         _refuse_grad(arrays, bound)
-    if op == "auto":
+    if op == "auto" and _tuning.current().batch_invariant:
+        op = EXCHANGING[shard_heads]  # the ranks' states merged in rank order; an NCCL sum's order is NCCL's
+    elif op == "auto":
         op = choose_strategy(
             comm.world_size, state.head_size, specs.v.itemsize, shard_heads=shard_heads,
             rows=state.num_tokens * state.num_heads,

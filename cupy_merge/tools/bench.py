@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -66,6 +67,7 @@ from .. import (
 )
 from .._arrays import cupy_dtype
 from .._version import __version__
+from ..invariance import batch_invariant
 from .bench_cases import (
     FAMILIES,
     FP8_GROUP,
@@ -107,7 +109,7 @@ COLUMNS: list[tuple[str, Callable[[Any], str]]] = [
     ("torch_us", _time), ("compiled_us", _time), ("graph_us", _time), ("chained_us", _time),
     ("unfused_us", _time), ("baseline_us", _time), ("overhead_pct", "{:+.1f}".format),
     ("flashinfer_us", _time), ("cm_fi_layout_us", _time), ("fi_over_cm", "{:.2f}".format),
-    ("maxdiff", "{:.1e}".format),
+    ("maxdiff", "{:.1e}".format), ("invariant_us", _time), ("invariant_cost_pct", "{:+.1f}".format),
 ]  # fmt: skip
 #: The host-cost table (microseconds of host time per call).
 HOST_COLUMNS: list[tuple[str, Callable[[Any], str]]] = [
@@ -135,6 +137,8 @@ def finish_row(row: dict) -> dict:
         if row.get("flashinfer_us"):
             ours = min(t for t in (merge_us, row.get("cm_fi_layout_us")) if t)
             row["fi_over_cm"] = row["flashinfer_us"] / ours
+        if row.get("invariant_us"):
+            row["invariant_cost_pct"] = overhead_pct(row["invariant_us"], merge_us)
     return row
 
 
@@ -202,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="time the cross-rank strategies instead (run under torchrun, one rank per GPU)",
     )
+    parser.add_argument(
+        "--invariant",
+        action="store_true",
+        help="time each merge in batch-invariant mode too (cupy_merge.batch_invariant): its cost in %%",
+    )
     parser.add_argument("--out", metavar="FILE", help="write the rows to FILE.csv or FILE.json")
     parser.add_argument(
         "--plot", metavar="FILE", help="write a PNG of %% of copy (and FI/cm) against traffic"
@@ -236,6 +245,7 @@ class Context:
     flashinfer: FlashInferMerges | None = None
     compile_torch: bool = True
     quantise: Any = None
+    invariant: bool = False
 
 
 LOG2_E = 1 / math.log(2)
@@ -639,6 +649,10 @@ def run_case(ctx: Context, case: Case) -> dict:
     row: dict[str, Any] = {"family": case.family, "case": case.label, "mbytes": traffic / 1e6}
     try:
         row.update(RUNNERS[case.family](ctx, case))
+        if ctx.invariant:  # the merge alone again, planned batch-invariantly
+            plain = dataclasses.replace(ctx, flashinfer=None, compile_torch=False)
+            with batch_invariant():
+                row["invariant_us"] = RUNNERS[case.family](plain, case)["merge_us"]
         row["copy_us"] = copy_us(traffic)
     except Exception as error:  # noqa: BLE001 - one case's failure is reported, the others still run
         print(f"\n{case.family} {case.label} failed: {type(error).__name__}: {error}", file=sys.stderr)
@@ -789,7 +803,7 @@ def main(argv=None) -> int:
         print("no CUDA device: nothing to benchmark")
         return 0
     torch = _torch()
-    ctx = Context(torch=torch, compile_torch=not args.no_compile, flashinfer=flashinfer)
+    ctx = Context(torch=torch, compile_torch=not args.no_compile, flashinfer=flashinfer, invariant=args.invariant)
     if args.flashinfer:
         ctx.flashinfer = from_source_tree(args.flashinfer, str(cupy.cuda.Device().compute_capability), torch)
     cases = select_cases(all_cases(args.quick), args.only)

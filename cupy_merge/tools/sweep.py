@@ -60,6 +60,15 @@ MANY_VARIANTS = {
     "chunk8": {"merge_chunk": 8},  # gradients: chunks of 16-byte packs too big to stage (held in registers)
     "busy2x": {"busy_threads": 2 * _tuning.DEFAULT.busy_threads},  # twice the splits where rows are few
     "pdl": {"programmatic_launch": True},
+    # Batch-invariant plans (a row's splits from its own count: one a `invariant_split_states`
+    # states, at most `invariant_max_splits`), on either kernel.
+    "inv": {"batch_invariant": True},
+    "inv-strided": {"batch_invariant": True, "packed_kernels": False},
+    "inv4": {"batch_invariant": True, "invariant_split_states": 4},
+    "inv16": {"batch_invariant": True, "invariant_split_states": 16},
+    "inv32": {"batch_invariant": True, "invariant_split_states": 32},
+    "inv-max8": {"batch_invariant": True, "invariant_max_splits": 8},
+    "inv-max32": {"batch_invariant": True, "invariant_max_splits": 32},
 }
 
 #: The gradient's cases, as MANY_CASES, each given the merge's results (``out``, ``out_lse``); its
@@ -115,6 +124,7 @@ BACKWARD_VARIANTS = {
     # One pack a lane for every row (twice the lanes and blocks of two), one group, no splits.
     "one-pack": {**_RECOMPUTE, "backward_two_pack_rows": 2**62, "backward_busy_threads": 2**62,
                  "backward_groups": 1, "backward_split_chunks": 2**62},
+    "invariant": {"batch_invariant": True},  # given the results: always the kernel that reads them
     "fold1": {**_RECOMPUTE, "backward_fold": 1},  # a dependent load a state, as session 13's fold
     "fold4": {**_RECOMPUTE, "backward_fold": 4},
     "no-prefetch": {**_RECOMPUTE, "backward_prefetch": False, "backward_async": False},

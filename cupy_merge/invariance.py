@@ -1,0 +1,67 @@
+"""Batch-invariant merges: a token's result is the same bits whatever else is in the batch.
+
+A merge combines each row's states (a row: one token's head) in some association order, and
+float32 sums of the same terms in another order differ in their last bits. By default the
+planner picks that order for speed from the whole batch (how many groups of threads split a
+row's states follows how many rows there are), so a token merged alone and the same token
+merged among thousands may differ by an ulp. In batch-invariant mode the order of a row
+depends on the row alone: an N-way or ragged row of ``n`` states is folded by
+``min(16, ceil(n / 8))`` groups of threads whose partials meet in one fixed tree, whichever
+kernel, block shape or batch size the planner chooses; a gradient's sums over a row's packs
+and states likewise follow the row's shape alone. Two-way merges are batch-invariant in either
+mode (each element is its own). The sinks' gradients are sums over the batch: the same bits on
+every run in either mode (fixed order, no atomics), but not batch-invariant by nature.
+
+The mode is process-wide (:func:`set_batch_invariant`, or ``CUPY_MERGE_BATCH_INVARIANT=1`` in
+the environment before import) or per thread (:func:`batch_invariant`, a context manager).
+Calls plan when first seen and keep their plan: ``bind`` and ``jax.jit`` take the mode in force
+when they bind or trace; compiled torch graphs run their merges in the mode in force when they
+run (their backward on autograd's thread: use the process-wide switch with ``torch.compile``).
+
+Its cost is measured in ``docs/performance.md`` (``python -m cupy_merge.bench --invariant``).
+
+>>> import cupy_merge as cm
+>>> with cm.batch_invariant():                    # doctest: +SKIP
+...     out, lse = cm.merge_states(v, s)          # the same bits for a token at any batch size
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from . import _dispatch, _tuning
+
+__all__ = ["batch_invariant", "is_batch_invariant", "set_batch_invariant"]
+
+
+def set_batch_invariant(enabled: bool = True) -> None:
+    """Turn batch-invariant planning on (or off) for every thread of the process.
+
+    Example: ``cm.set_batch_invariant(True)`` once at start-up, as an engine's deterministic
+    mode would; merges bound or traced before keep the plans they were given.
+    """
+    _dispatch.set_default_tuning(_tuning.DEFAULT.replace(batch_invariant=_flag(enabled)))
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Plan the merges of this thread (and task) batch-invariantly inside the block.
+
+    >>> with cm.batch_invariant():                # doctest: +SKIP
+    ...     alone = cm.merge_states(v[:, :1], s[:, :, :1])[0]
+    ...     batch = cm.merge_states(v, s)[0]      # batch[:1] == alone, bit for bit
+    """
+    with _tuning.use(_tuning.current().replace(batch_invariant=_flag(enabled))):
+        yield
+
+
+def is_batch_invariant() -> bool:
+    """Whether merges called here and now are planned batch-invariantly."""
+    return _tuning.current().batch_invariant
+
+
+def _flag(enabled: object) -> bool:
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected True or False, got {enabled!r}")
+    return enabled
