@@ -280,8 +280,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardMinBlocks<Index, PA
     };
     auto add_sink_gradient = [&](bool broken, float S, float dot_v) {
       if constexpr (SINKS) {
-        if (lane == 0 && group == 0 && valid && !bad) {
-          const float w_z = broken ? quiet_nan() : S == positive_infinity() ? 1.0f
+        if (lane == 0 && group == 0 && valid) {  // every row's term is written: bad offsets add 0
+          const float w_z = bad ? 0.0f : broken ? quiet_nan() : S == positive_infinity() ? 1.0f
                             : S == negative_infinity() ? 0.0f : backward_weight(sink - S);
           sink_terms[head * static_cast<Index>(num_tokens) + token] = w_z == 0.0f ? 0.0f : w_z * (dS - dot_v);
         }

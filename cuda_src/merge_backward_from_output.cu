@@ -264,9 +264,10 @@ __global__ void __launch_bounds__(kBackwardThreads, kFromOutputMinBlocks<Index, 
                                         row_lanes, packs, Index{0}, Index{1});
     }
     if constexpr (SINKS) {
-      if (lane == 0 && !bad) {
+      if (lane == 0) {  // every row's term is written: bad offsets add 0
         const float sink = sink_logit<SINKS>(sinks, static_cast<int>(sinks_stride), head);
-        const float w_z = S == positive_infinity() ? 1.0f : S == negative_infinity() ? 0.0f : backward_weight(sink - S);
+        const float w_z = bad ? 0.0f : S == positive_infinity() ? 1.0f : S == negative_infinity() ? 0.0f
+                                                                         : backward_weight(sink - S);
         sink_terms[head * static_cast<Index>(num_tokens) + token] = w_z == 0.0f ? 0.0f : w_z * (dS - dot_v);
       }
     }

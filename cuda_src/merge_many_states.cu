@@ -214,9 +214,9 @@ __device__ __forceinline__ void fold_row(Partial<VEC>& part, const float* row_ls
 // done after it, and the next level's (y % 4h == 2h) write slots no one reads before the next
 // barrier. log2(splits) steps instead of the splits - 1 of a serial combine (with few rows a block
 // holds up to 1024 / packs splits: benchmarks/PERF.md, session 10). Both N-way kernels combine
-// this way, so that a row's association order is the same whichever of them the planner picks
-// (batch invariance: splits past a row's own count are empty, and an empty partial folds in as an
-// exact no-op). Every thread of the block must call it.
+// this way, so that a row's association order (split y folds chunks y, y + splits, ..., then this
+// tree) follows the number of splits alone, whichever kernel the planner picks: batch-invariant
+// plans choose that number from the row's state count. Every thread of the block must call it.
 template <int VEC>
 __device__ __forceinline__ void combine_splits(Partial<VEC>& part, Partial<VEC>* shared, int split, int splits,
                                                int lanes, int lane) {
@@ -237,15 +237,6 @@ __device__ __forceinline__ void combine_splits(Partial<VEC>& part, Partial<VEC>*
   }
 }
 
-// How many of the block's `splits` groups take a row of `count` states: all of them, or with
-// `split_states` > 0 (batch-invariant plans) one a `split_states` states, so that the row's
-// association order depends on its own count alone (the planner gives blocks splits enough for
-// every row). Group g < row_splits folds the chunks g, g + row_splits, ... of the row.
-__device__ __forceinline__ int row_splits(long long count, int splits, int split_states) {
-  if (split_states <= 0) return splits;
-  return static_cast<int>(max(1LL, min(static_cast<long long>(splits), (count + split_states - 1) / split_states)));
-}
-
 // SPLIT: whether the block's z threads share rows (the instantiation without it
 // has no barrier or shared memory at all; blockDim.z is then 1). Index: the
 // integer type of element offsets, int when the host found that every offset
@@ -259,7 +250,7 @@ __global__ void merge_many_states(
     long long v_stride_state, long long v_stride_token, long long v_stride_head,
     long long out_lse_stride_head, long long out_lse_stride_token,
     long long lse_stride_state, long long lse_stride_head, long long lse_stride_token,
-    long long lse_base_2, const float* sinks, int sinks_stride, int split_states) {
+    long long lse_base_2, const float* sinks, int sinks_stride) {
   using InPack = Pack<TIn, VEC>;
   using OutPack = Pack<TOut, VEC>;
   launch_dependents();
@@ -293,17 +284,15 @@ __global__ void merge_many_states(
     }
     const float* row_lse = lse + first * lse_stride_state + head * lse_stride_head + token * lse_stride_token;
     const InPack* column = reinterpret_cast<const InPack*>(v + first * v_stride_state + token * v_stride_token + head * v_stride_head);
-    const int taking = row_splits(count, splits, split_states);
-    const Index chunk_step = static_cast<Index>(taking) * MERGE_CHUNK;
-    const Index chunk_first = split < taking ? static_cast<Index>(split) * MERGE_CHUNK : count;
+    const Index chunk_step = static_cast<Index>(splits) * MERGE_CHUNK;
 
     for (Index pass = 0; pass < passes; ++pass) {
       const Index p = pass * blockDim.x + threadIdx.x;
       const bool has_pack = p < num_packs;
       Partial<VEC> part;
       part.reset();
-      fold_row(part, row_lse, column + p, chunk_first, chunk_step, count, lse_stride_state, pack_stride_state,
-               to_natural, has_pack);
+      fold_row(part, row_lse, column + p, static_cast<Index>(split * MERGE_CHUNK), chunk_step, count, lse_stride_state,
+               pack_stride_state, to_natural, has_pack);
       if constexpr (SPLIT) {
         // Uniform across the block: every thread reaches every barrier.
         combine_splits(part, shared_partials, split, splits, static_cast<int>(blockDim.x * blockDim.y),
@@ -355,7 +344,7 @@ namespace cupy_merge {
 // 108 bytes: on Hopper parameters start at c[0x0][0x210], and these fill the rest of
 // the line that also holds the memory descriptor (which the first load reads anyway)
 // and the next line. The block's shape is among them (`block_packs` = blockDim.x,
-// `block_splits` = blockDim.y; `split_states`, see row_splits): blockDim lives in yet another line. The FP8 scale, the
+// `block_splits` = blockDim.y): blockDim lives in yet another line. The FP8 scale, the
 // ragged offsets and the group geometry follow.
 template <typename TIn, typename TOut, int VEC, bool SPLIT, bool RAGGED, bool GROUPED, bool SINKS>
 __global__ void merge_many_states_packed(
@@ -366,7 +355,7 @@ __global__ void merge_many_states_packed(
     int v_stride_token, int lse_stride_state, int lse_stride_head, int lse_stride_token,
     int block_packs, int block_splits,
     int packs_per_row, int out_stride_token, int out_lse_stride_head, int out_lse_stride_token,
-    int lse_base_2, int split_states,
+    int lse_base_2,
     const float* output_scale, const void* indptr, int indptr_bytes, int indptr_stride,
     float* output_block_scale, int block_scale_stride_token, int block_scale_stride_group,
     int packs_per_group, unsigned group_multiplier, unsigned group_shift, int scale_ue8m0,
@@ -403,9 +392,8 @@ __global__ void merge_many_states_packed(
 
   Partial<VEC> part;
   part.reset();
-  const int taking = row_splits(count, splits, split_states);
-  fold_row(part, row_lse, column, split < taking ? split * MERGE_CHUNK : count, taking * MERGE_CHUNK, count,
-           lse_stride_state, v_stride_state, to_natural, true);
+  fold_row(part, row_lse, column, split * MERGE_CHUNK, splits * MERGE_CHUNK, count, lse_stride_state, v_stride_state,
+           to_natural, true);
   if constexpr (SPLIT) {
     combine_splits(part, shared_partials, split, splits, block_packs, static_cast<int>(threadIdx.x));  // uniform
     if constexpr (!GROUPED) {

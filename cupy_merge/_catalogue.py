@@ -131,7 +131,7 @@ MANY_STRIDED = KernelFamily(
         "num_states", "num_tokens", "num_heads", "head_size",
         "out_stride_token", "out_stride_head", "v_stride_state", "v_stride_token", "v_stride_head",
         "out_lse_stride_head", "out_lse_stride_token",
-        "lse_stride_state", "lse_stride_head", "lse_stride_token", "lse_base_2", *SINKS, "split_states",
+        "lse_stride_state", "lse_stride_head", "lse_stride_token", "lse_base_2", *SINKS,
     ),
 )  # fmt: skip
 
@@ -149,7 +149,7 @@ MANY_PACKED = KernelFamily(
         "v_stride_token", "lse_stride_state", "lse_stride_head", "lse_stride_token",
         "block_packs", "block_splits",
         "packs_per_row", "out_stride_token", "out_lse_stride_head", "out_lse_stride_token",
-        "lse_base_2", "split_states",
+        "lse_base_2",
         "output_scale", "indptr", "indptr_bytes", "indptr_stride",
         *GROUP_SCALES, *SINKS,
     ),

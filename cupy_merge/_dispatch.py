@@ -313,7 +313,7 @@ def _plan_backward(
         fresh.append(FreshOutput("grad_sinks", (state.num_heads,), "float32", zeroed=not plan))
         if plan:
             terms = (state.num_heads * state.num_tokens,)
-            fresh.append(FreshOutput(_plan.SINK_TERMS, terms, "float32", zeroed=True, scratch=True))
+            fresh.append(FreshOutput(_plan.SINK_TERMS, terms, "float32", scratch=True))
     return Planned(plan, state, tuple(fresh), None)
 
 

@@ -134,7 +134,6 @@ class _Entry(NamedTuple):
     results: tuple[tuple[tuple[int, ...], Any], ...]  # physical (shape, dtype) of each result
     fp8: bool
     host: HostCall | None = None
-    zeroed: tuple[int, ...] = ()  # results that start as zeros (passed in as aliased inputs)
     scratch: int = 0  # the last results are the launches' scratch, no result of the merge
 
 
@@ -352,9 +351,8 @@ def _build_backward_entry(cfg: _Config, avals: tuple) -> _Entry:
     """Check, plan, compile and prepare one backward merge (trace time), and make its buffer_callback.
 
     Each value or LSE gradient is written in the layout of the array it is of (a batch folded
-    into the tokens unfolds as its inputs fold: free for values); the gradients that must start
-    as zeros (the sinks', which every token adds into) are passed in as zeros and aliased to the
-    results."""
+    into the tokens unfolds as its inputs fold: free for values); the launches' scratch (each
+    row's sink term) is one more result, which the caller drops."""
     operation, options, tuning = cfg.operation, cfg.options, cfg.tuning
     physical = {field: (tuple(shape), dtype) for field, (shape, dtype) in zip(cfg.fields, avals)}
     inputs = {
@@ -375,11 +373,10 @@ def _build_backward_entry(cfg: _Config, avals: tuple) -> _Entry:
             shape, dtype = physical[like]
             gradients[fresh.field] = _spec(shape, dtype, cfg.layout(like))
         results.append((fresh.field, shape, numpy.dtype(dtype)))
-    zeroed = tuple(position for position, fresh in enumerate(planned.fresh) if fresh.zeroed)
     shapes = tuple((shape, dtype) for _, shape, dtype in results)
     scratch = sum(fresh.scratch for fresh in planned.fresh)
-    if not planned.plan:  # no heads, or no tokens of a dense merge: nothing to write
-        return _Entry(None, shapes, False, zeroed=zeroed, scratch=scratch)
+    if not planned.plan:  # no heads, or no tokens of a dense merge: zeros, nothing to launch
+        return _Entry(None, shapes, False, scratch=scratch)
     specs = specs._replace(**gradients)
     names: Any = operation.names
     state, num_states = _checks.check_backward(specs, names, options)
@@ -389,10 +386,8 @@ def _build_backward_entry(cfg: _Config, avals: tuple) -> _Entry:
         for field, spec in zip(specs._fields, specs) if spec is not None
     })  # fmt: skip
     loose_plan = _plan.plan_backward(state, num_states, loose, options, tuning)
-    first_result = len(cfg.fields) + len(zeroed)  # buffers: inputs, the zeros, then the results
-    index = {field: position for position, field in enumerate(cfg.fields)}
-    index.update({field: first_result + position for position, (field, _, _) in enumerate(results)})
-    aliases = {len(cfg.fields) + k: position for k, position in enumerate(zeroed)}
+    index = {field: position for position, field in enumerate(cfg.fields)}  # buffers: inputs, then results
+    index.update({field: len(cfg.fields) + position for position, (field, _, _) in enumerate(results)})
     host = HostCall(operation, options, specs, index)
-    call = _buffer_call(plan, loose_plan, index, host, shapes, aliases, tuning)
-    return _Entry(call, shapes, False, host, zeroed, scratch)
+    call = _buffer_call(plan, loose_plan, index, host, shapes, {}, tuning)
+    return _Entry(call, shapes, False, host, scratch)

@@ -388,19 +388,18 @@ def plan_many_states(
         "lse_base_2": options.lse_base_2, "output_scale": _pointer(specs, "output_scale"), **_sinks(specs),
     }  # fmt: skip
     index = index_type([out, out_lse, v, s, indptr], num_tokens * num_heads, num_states)
-    # Batch-invariant: each row's splits from its own count (the kernels' row_splits).
-    split_states = tuning.invariant_split_states if tuning.batch_invariant else 0
     packs_per_row = head_size // vec
     chunk = tuning.merge_chunk
     if grouped or _packed_kernel_fits(vec, widths, index, head_size, [out, v], tuning):
         geometry = _packed_geometry(state, vec)
         group = _group_geometry(specs.output_block_scale, group_size, vec)
         row_states = num_states if indptr is None else -(-num_states // num_tokens)  # ragged: the mean
-        if tuning.batch_invariant:
-            splits = invariant_splits(num_states, group["packs_per_group"], tuning)
+        if tuning.batch_invariant:  # the splits the row's count asks for, the packs a block fewer if need be
+            splits = invariant_splits(num_states, indptr is not None, group["packs_per_group"], tuning)
+            limit = tuning.packed_block_limit // splits
+            threads_x = _group_block(max(1, tuning.packed_many_threads // splits), group["packs_per_group"], limit)
         else:
-            splits = choose_state_splits(row_states, geometry["total_packs"], chunk, tuning, tuning.packed_max_splits)
-        threads_x, splits = choose_packed_block(geometry["total_packs"], splits, group["packs_per_group"], tuning)
+            threads_x, splits = choose_packed_block(geometry["total_packs"], row_states, group["packs_per_group"], tuning)
         grid = (-(-geometry["total_packs"] // threads_x), 1, 1)
         strides = {
             "out_stride_token": _in_packs(out.strides[0], num_tokens, vec),
@@ -420,13 +419,12 @@ def plan_many_states(
         if grouped:
             shared += 4 * (threads_x // group["packs_per_group"])
         block_shape = {"block_packs": threads_x, "block_splits": splits}
-        args = {**common, **geometry, **strides, **group, **block_shape, "scale_ue8m0": options.scale_ue8m0,
-                "split_states": split_states}  # fmt: skip
+        args = {**common, **geometry, **strides, **group, **block_shape, "scale_ue8m0": options.scale_ue8m0}
         return (_launch(cat.MANY_PACKED, module, template, grid, (threads_x, splits, 1), shared, args),)
 
     threads_x, rows_y = choose_block(packs_per_row, num_tokens, tuning)
     if tuning.batch_invariant:  # the splits every row needs, the threads across a row fewer if need be
-        splits = invariant_splits(num_states, 1, tuning)
+        splits = invariant_splits(num_states, indptr is not None, 1, tuning)
         threads_x = max(1, min(threads_x, tuning.max_block_threads // splits))
     else:
         splits = choose_state_splits(num_states, num_tokens * num_heads * threads_x, chunk, tuning)
@@ -438,7 +436,6 @@ def plan_many_states(
         "num_tokens": num_tokens, "num_heads": num_heads, "head_size": head_size,
         "out_stride_token": out.strides[0], "out_stride_head": out.strides[1],
         "v_stride_state": v_state, "v_stride_token": v_token, "v_stride_head": v_head,
-        "split_states": split_states,
     }  # fmt: skip
     template = {"TIn": state.dtype, "TOut": out.dtype, "VEC": vec, "SPLIT": splits > 1, "Index": index,
                 "SINKS": specs.sinks is not None}  # fmt: skip
@@ -452,20 +449,23 @@ def _partial_bytes(vec: int) -> int:
 
 
 def choose_packed_block(
-    total_packs: int, splits: int, packs_per_group: int, tuning: Tuning
+    total_packs: int, row_states: int, packs_per_group: int, tuning: Tuning
 ) -> tuple[int, int]:
-    """The packed N-way kernel's block: (packs, splits of each pack's states), for ``splits``
-    wanted (``choose_state_splits`` or ``invariant_splits``).
+    """The packed N-way kernel's block: (packs, splits of each pack's states).
 
-    ``packed_many_threads`` threads a block, at least ``min_row_threads`` packs wide. With few rows the
+    Enough splits that the grid holds ``busy_threads`` threads (at most one
+    chunk of states a split, ``packed_max_splits``); ``packed_many_threads``
+    threads a block, at least ``min_row_threads`` packs wide. With few rows the
     block narrows (down to ``min_pack_threads`` packs) while there would be
     fewer than ``min_blocks`` blocks and it holds more than
     ``packed_many_threads`` threads: a decode step's rows of hundreds of states
     spread over the multiprocessors, and one of 16 states keeps its one block of
     128 threads (faster: session 10's sweep). The splits then fill at most
-    ``packed_block_limit`` threads. A block holds whole FP8 groups. (Batch-invariant
-    splits fit by construction: ``invariant_splits``.)
+    ``packed_block_limit`` threads. A block holds whole FP8 groups.
     """
+    splits = choose_state_splits(
+        row_states, total_packs, tuning.merge_chunk, tuning, tuning.packed_max_splits
+    )
     packs = max(tuning.min_row_threads, tuning.packed_many_threads // splits)
     while (
         packs > tuning.min_pack_threads
@@ -492,21 +492,16 @@ def choose_state_splits(
     return max(1, min(wanted, useful, tuning.max_splits if max_splits is None else max_splits))
 
 
-def invariant_splits(row_states: int, packs_per_group: int, tuning: Tuning) -> int:
-    """A batch-invariant N-way block's splits: enough for a row of ``row_states`` states (a ragged
-    batch's total: its longest row's bound), one a ``tuning.invariant_split_states`` states, at
-    most ``tuning.invariant_max_splits`` (and as many as a block of whole FP8 groups of
-    ``packs_per_group`` packs holds). Each row then takes the kernels' ``row_splits`` of them,
-    a function of its own count."""
+def invariant_splits(row_states: int, ragged: bool, packs_per_group: int, tuning: Tuning) -> int:
+    """A batch-invariant N-way block's splits, from what every row of the batch shares: a dense
+    row of ``row_states`` states one a ``tuning.invariant_split_states`` states, at most
+    ``tuning.invariant_max_splits`` (and as many as a block of whole FP8 groups of
+    ``packs_per_group`` packs holds); a ragged row one (a block's splits cannot follow each row's
+    own count without idling most of its threads: sweep of session 25)."""
+    if ragged:
+        return 1
     most = min(tuning.invariant_max_splits, max(1, tuning.packed_block_limit // packs_per_group))
     return max(1, min(most, -(-row_states // tuning.invariant_split_states)))
-
-
-def row_splits(count: int, splits: int, tuning: Tuning) -> int:
-    """How many of a block's ``splits`` fold a row of ``count`` states (the kernels' ``row_splits``)."""
-    if not tuning.batch_invariant:
-        return splits
-    return max(1, min(splits, -(-count // tuning.invariant_split_states)))
 
 
 def _state_offset(spec: ArraySpec, index: int) -> int:
@@ -652,10 +647,10 @@ def plan_backward(
     rows = num_tokens * num_heads
     # Ragged: the mean (counting rows no token owns); no tokens: nothing to split.
     row_states = (-(-num_states // num_tokens) if num_tokens else 0) if ragged else num_states
-    # Batch-invariant: given the results, always the kernel that reads them (the other one's S is
-    # its own fold: a gradient must not change kernels with the batch's size).
+    # Batch-invariant: given the results, the kernel by the rows' states alone (dense: their count;
+    # ragged, whose mean follows the batch: always the kernel that reads them).
     from_output = specs.merged is not None and (
-        tuning.batch_invariant
+        (tuning.batch_invariant and (ragged or row_states >= tuning.backward_from_output_states))
         or (rows < tuning.backward_from_output_rows and row_states >= tuning.backward_from_output_states)
     )
     source = cat.BACKWARD_FROM_OUTPUT_SOURCE if from_output else cat.BACKWARD_SOURCE
@@ -737,7 +732,7 @@ def plan_backward(
 
 
 #: The gradient kernels' scratch: each row's term of its sink's gradient, ``[heads, tokens]``
-#: float32, zeroed (a row the kernels leave, such as a ragged token of bad offsets, adds 0).
+#: float32 (every row's written: a ragged token of bad offsets adds 0).
 SINK_TERMS = "sink_terms"
 
 

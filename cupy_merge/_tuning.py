@@ -137,14 +137,16 @@ class Tuning:
     backward_given_ragged_chunk: int = 4
     backward_given_ragged_stages: int = 2
     #: Batch-invariant plans (``cupy_merge.batch_invariant``): a row's result is the same bits
-    #: whatever else is in the batch. An N-way row of n states is folded by
-    #: min(invariant_max_splits, ceil(n / invariant_split_states)) groups of threads, whose partials
-    #: meet in one tree (never a number of splits chosen from the batch's size); gradients take a
-    #: way through their rows chosen from the rows' shape alone (their reductions over a row's
-    #: packs and states then follow it).
+    #: whatever else is in the batch. A dense N-way row of n states is folded by
+    #: min(invariant_max_splits, ceil(n / invariant_split_states)) groups of threads whose partials
+    #: meet in one tree, a ragged row by one (never a number of splits chosen from the batch's
+    #: size); gradients take a way through their rows chosen from the rows' shape alone (their
+    #: sums over a row's packs and states follow it). Session 25's sweep: 16 states a split kept
+    #: rows of 64 states x 64 tokens at 82 % of the copy (8: 73 %), and single tokens of
+    #: thousands of states need 128 splits (16: 30 % at 4096 states).
     batch_invariant: bool = False
-    invariant_split_states: int = 8
-    invariant_max_splits: int = 16
+    invariant_split_states: int = 16
+    invariant_max_splits: int = 128
     #: Programmatic dependent launch on sm_90 and newer: a merge's blocks start while the kernel
     #: before it drains, and wait for its results before their first load. Off by default: in a
     #: CUDA-graph chain (producer, merge, consumer) it saved nothing measurable (within +-1 us at

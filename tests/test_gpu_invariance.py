@@ -246,7 +246,8 @@ def test_gradients_are_the_same_bits_on_every_run(mode, kind, states, tokens, gi
         )
     else:
         *_, want_z = reference.merge_states_backward(to_host(v), to_host(s), **host)
-    assert relative_error(to_host(runs[0][-1]), want_z) < 1e-4
+    # Given the results, <dV, V> is read from V as rounded to bfloat16.
+    assert relative_error(to_host(runs[0][-1]), want_z) < (1e-2 if given else 1e-4)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -36,12 +36,11 @@ TUNINGS = [
 ]
 
 
-def _row_splits(launch, count: int, tuning: _tuning.Tuning) -> int:
-    """How many groups of threads fold a row of ``count`` states in ``launch`` (the kernels' rule)."""
-    args = arguments(launch)
-    splits = launch.block[1] if family(launch) is cat.MANY_PACKED else launch.block[2]
-    assert args["split_states"] == tuning.invariant_split_states
-    return _plan.row_splits(count, splits, tuning)
+def _splits(launch) -> int:
+    """How many groups of threads fold each row in ``launch``: each takes every splits-th chunk of
+    the row's states, and their partials meet in one tree (both kernels), so this number is the
+    row's association order."""
+    return launch.block[1] if family(launch) is cat.MANY_PACKED else launch.block[2]
 
 
 def _canonical(count: int, tuning: _tuning.Tuning) -> int:
@@ -77,24 +76,22 @@ def test_a_dense_row_is_folded_by_as_many_groups_as_its_own_count_asks(
         MERGE_STATES, ManyStateOptions(), _many(tokens, states, heads, head_size), tuning
     ).plan
     (launch,) = plan
-    assert _row_splits(launch, states, tuning) == _canonical(states, tuning)
+    assert _splits(launch) == _canonical(states, tuning)
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    count=st.integers(0, 400),
-    company=st.integers(0, 5000),
+    total=st.integers(1, 5000),
     tokens=st.sampled_from([1, 3, 100, 4096]),
     tuning=st.sampled_from(TUNINGS),
 )
-def test_a_ragged_row_is_folded_by_as_many_groups_as_its_own_count_asks(count, company, tokens, tuning):
-    """The block holds splits enough for the batch's longest possible row; each row takes its own."""
-    total = count + company
-    plan = plan_checked(
-        MERGE_STATES_VARLEN, ManyStateOptions(), _many(tokens, max(total, 1), 8, 128, indptr=True), tuning
-    ).plan
+def test_a_ragged_row_is_folded_by_one_group_whatever_the_batch(total, tokens, tuning):
+    """A block cannot give each ragged row the splits its own count asks for without idling most
+    of its threads (session 25's sweep: 9 % of the copy at 4096 tokens of ~8 states), so every
+    ragged row is folded by one group, in order."""
+    plan = plan_checked(MERGE_STATES_VARLEN, ManyStateOptions(), _many(tokens, total, 8, 128, indptr=True), tuning).plan
     (launch,) = plan
-    assert _row_splits(launch, count, tuning) == _canonical(count, tuning)
+    assert _splits(launch) == 1
 
 
 @pytest.mark.parametrize("group_size", [16, 128, 256])
@@ -107,14 +104,15 @@ def test_group_scaled_fp8_rows_keep_their_order_and_whole_groups_a_block(group_s
         packs_per_group = group_size // 8
         assert launch.block[0] % packs_per_group == 0
         most = min(INVARIANT.invariant_max_splits, INVARIANT.packed_block_limit // packs_per_group)
-        assert _row_splits(launch, 300, INVARIANT) == min(most, _canonical(300, INVARIANT))
+        assert _splits(launch) == min(most, _canonical(300, INVARIANT))
+        assert launch.block[0] * launch.block[1] <= INVARIANT.packed_block_limit
 
 
 def test_outside_the_mode_the_splits_follow_the_batch():
     """What the mode changes: one token of 256 states is split more ways than 20000 tokens are."""
     few = plan_checked(MERGE_STATES, ManyStateOptions(), _many(1, 256, 8, 128), _tuning.DEFAULT).plan[0]
     many = plan_checked(MERGE_STATES, ManyStateOptions(), _many(20000, 256, 8, 128), _tuning.DEFAULT).plan[0]
-    assert arguments(few)["split_states"] == 0 and few.block[1] > many.block[1]
+    assert few.block[1] > many.block[1]
 
 
 def _backward(tokens, states, head_size=128, ragged=False, merged=True, sinks=False):
@@ -164,7 +162,7 @@ def test_the_sinks_gradient_is_summed_from_the_rows_terms_by_a_last_launch():
     assert {field for _, field, _ in last.pointers} == {"grad_sinks", _plan.SINK_TERMS}
     assert all(_plan.SINK_TERMS in {field for _, field, _ in launch.pointers} for launch in gradients)
     fresh = {output.field: output for output in planned.fresh}
-    assert fresh[_plan.SINK_TERMS].scratch and fresh[_plan.SINK_TERMS].zeroed
+    assert fresh[_plan.SINK_TERMS].scratch and not fresh[_plan.SINK_TERMS].zeroed  # every row's term written
     assert fresh[_plan.SINK_TERMS].shape == (4 * 64,)
     assert not fresh["grad_sinks"].zeroed  # written whole by the sum
 
