@@ -397,7 +397,8 @@ def plan_many_states(
         if tuning.batch_invariant:  # the splits the row's count asks for, the packs a block fewer if need be
             splits = invariant_splits(num_states, indptr is not None, group["packs_per_group"], tuning)
             limit = tuning.packed_block_limit // splits
-            threads_x = _group_block(max(1, tuning.packed_many_threads // splits), group["packs_per_group"], limit)
+            packs = max(tuning.min_pack_threads, tuning.packed_many_threads // splits)  # whole sectors a load
+            threads_x = _group_block(packs, group["packs_per_group"], limit)
         else:
             threads_x, splits = choose_packed_block(geometry["total_packs"], row_states, group["packs_per_group"], tuning)
         grid = (-(-geometry["total_packs"] // threads_x), 1, 1)
@@ -495,12 +496,13 @@ def choose_state_splits(
 def invariant_splits(row_states: int, ragged: bool, packs_per_group: int, tuning: Tuning) -> int:
     """A batch-invariant N-way block's splits, from what every row of the batch shares: a dense
     row of ``row_states`` states one a ``tuning.invariant_split_states`` states, at most
-    ``tuning.invariant_max_splits`` (and as many as a block of whole FP8 groups of
-    ``packs_per_group`` packs holds); a ragged row one (a block's splits cannot follow each row's
+    ``tuning.invariant_max_splits`` (and as many as a block of ``tuning.min_pack_threads`` packs,
+    or of whole FP8 groups of ``packs_per_group`` packs, holds); a ragged row one (a block's splits cannot follow each row's
     own count without idling most of its threads: sweep of session 25)."""
     if ragged:
         return 1
-    most = min(tuning.invariant_max_splits, max(1, tuning.packed_block_limit // packs_per_group))
+    widest = max(packs_per_group, tuning.min_pack_threads)  # packs a block holds at least
+    most = min(tuning.invariant_max_splits, max(1, tuning.packed_block_limit // widest))
     return max(1, min(most, -(-row_states // tuning.invariant_split_states)))
 
 

@@ -924,7 +924,8 @@ _GRAD_REPLAY = textwrap.dedent(
         if run == runs // 2:
             host = [x * np.float32(1.5) for x in host]
             arrays = [jnp.asarray(x) for x in host]
-    print(json.dumps({"launches": 4 * runs, "launched_by_python": launches[0], "worst": worst}))
+    # Per step: two merges, two gradients, and the sum of the two-way gradient's sink terms.
+    print(json.dumps({"launches": 5 * runs, "launched_by_python": launches[0], "worst": worst}))
     """
 )
 

@@ -103,9 +103,9 @@ def test_group_scaled_fp8_rows_keep_their_order_and_whole_groups_a_block(group_s
         (launch,) = plan_checked(MERGE_STATES, options, views, INVARIANT).plan
         packs_per_group = group_size // 8
         assert launch.block[0] % packs_per_group == 0
-        most = min(INVARIANT.invariant_max_splits, INVARIANT.packed_block_limit // packs_per_group)
+        most = min(INVARIANT.invariant_max_splits, INVARIANT.packed_block_limit // max(packs_per_group, 4))
         assert _splits(launch) == min(most, _canonical(300, INVARIANT))
-        assert launch.block[0] * launch.block[1] <= INVARIANT.packed_block_limit
+        assert launch.block[0] * launch.block[1] <= INVARIANT.packed_block_limit and launch.block[0] >= 4
 
 
 def test_outside_the_mode_the_splits_follow_the_batch():
