@@ -58,3 +58,25 @@ def test_the_ring_attention_example_checks_its_gradients(arguments, dtypes):
     assert sorted(check[:3] for check in checks) == sorted(wanted), done.stdout
     assert all(check[3] == "ok" for check in checks) and "FAILED" not in done.stdout, done.stdout
     assert lines[-1] == "ok", done.stdout
+
+
+INVARIANT = ROOT / "examples" / "split_kv_batch_invariant.py"
+
+
+def test_the_batch_invariant_example_says_why_it_does_nothing_without_cuda(tmp_path):
+    py_compile.compile(str(INVARIANT), cfile=str(tmp_path / "split_kv_batch_invariant.pyc"), doraise=True)
+    import cupy
+
+    if cupy.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    done = _run(INVARIANT)
+    assert done.returncode == 0 and "no CUDA device" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.gpu
+def test_the_batch_invariant_example_gives_the_same_bits_at_batch_sizes_1_7_and_64():
+    done = _run(INVARIANT)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert sum("the same bits as alone" in line for line in lines) == 3, done.stdout
+    assert lines[-1] == "ok", done.stdout
