@@ -317,3 +317,54 @@ def test_autograd_runs_the_backward_in_the_mode_its_forward_ran_in():
         to_host(v), to_host(s), np.ones((3, 4, 128)), np.ones((4, 3))
     )
     assert relative_error(to_host(v.grad), want_v) < 1e-5
+
+
+# -- through the frameworks' compilers and CUDA graphs -------------------------------------------------------
+
+
+def _dense_batch(states=300, tokens=333, heads=8, seed=11):
+    torch.manual_seed(seed)
+    v = torch.randn(states, tokens, heads, 128, device="cuda", dtype=torch.bfloat16)
+    return v, _lse(states, heads, tokens)
+
+
+def test_a_compiled_graph_and_a_cuda_graph_give_the_eager_tokens_bits():
+    v, s = _dense_batch()
+    position = 123
+    with cm.batch_invariant():
+        alone, alone_lse = cm.merge_states(v[:, position : position + 1].clone(), s[:, :, position : position + 1].clone())
+    cm.set_batch_invariant(True)  # compiled graphs run their merges in the process's mode
+    try:
+        compiled = torch.compile(lambda v, s: cm.merge_states(v, s), fullgraph=True)
+        out, lse = compiled(v, s)
+        _same_bits(out[position], alone[0], "values, torch.compile")
+        _same_bits(lse[:, position], alone_lse[:, 0], "LSE, torch.compile")
+        out, lse = _poisoned(out.shape, out.dtype), _poisoned(lse.shape, lse.dtype)
+        cm.merge_states(v, s, out=out, out_lse=lse)  # planned before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            cm.merge_states(v, s, out=out, out_lse=lse)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _same_bits(out[position], alone[0], "values, CUDA graph")
+        _same_bits(lse[:, position], alone_lse[:, 0], "LSE, CUDA graph")
+    finally:
+        cm.set_batch_invariant(False)
+
+
+def test_a_jitted_merge_gives_the_eager_tokens_bits():
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("jax.experimental.buffer_callback")
+    import cupy_merge.jax as cmj
+
+    v, s = _dense_batch()
+    position = 200
+    jv, js = jax.dlpack.from_dlpack(v.float()), jax.dlpack.from_dlpack(s)
+    with cm.batch_invariant():
+        alone, alone_lse = cm.merge_states(v[:, position : position + 1].float().clone(),
+                                           s[:, :, position : position + 1].clone())  # fmt: skip
+        out, lse = jax.jit(lambda v, s: cmj.merge_states(v, s))(jv, js)  # traced in the mode
+    out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)
+    _same_bits(out[position], alone[0], "values, jax.jit")
+    _same_bits(lse[:, position], alone_lse[:, 0], "LSE, jax.jit")
