@@ -174,7 +174,7 @@ def test_a_ragged_token_merged_alone_and_in_a_batch_gives_the_same_bits(count, c
 
 
 @pytest.mark.parametrize("tuning", list(TUNINGS))
-def test_a_two_way_token_gives_the_same_bits_alone_in_a_batch_and_past_the_prefill_cut(tuning):
+def test_a_two_way_token_gives_the_same_bits_alone_and_in_a_batch(tuning):
     torch.manual_seed(7)
     tokens, heads, head_size = 777, 8, 128
     v_a, v_b = (torch.randn(tokens, heads, head_size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
