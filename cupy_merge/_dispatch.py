@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
-from . import _arrays, _checks, _kernels, _plan, _tuning
+from . import _arrays, _checks, _kernels, _plan, _plan_backward, _tuning
 from ._arrays import ArraySpec, ArrayView
 from ._catalogue import ITEMSIZES
 from ._operands import (
@@ -255,7 +255,7 @@ def plan_specs(
     ``out_lse`` is its ``s_a`` or ``s_b`` itself.
     """
     if isinstance(specs, BackwardOperands):
-        return _plan_backward(operation, options, tuning, specs)
+        return _plan_gradients(operation, options, tuning, specs)
     state, num_states, specs, fresh = check_specs(operation, options, specs)
     if operation.many:
         plan = _plan.plan_many_states(state, num_states, specs, options, tuning)  # type: ignore[arg-type]
@@ -289,7 +289,7 @@ def check_specs(
     return state, num_states, specs, fresh
 
 
-def _plan_backward(
+def _plan_gradients(
     operation: Operation, options: Any, tuning: _tuning.Tuning, specs: BackwardOperands
 ) -> Planned:
     """A merge's gradient: every gradient allocated C-contiguous, like the array it is of (the
@@ -308,12 +308,12 @@ def _plan_backward(
         )
     if specs.sinks is not None:
         specs = specs._replace(grad_sinks=_arrays.contiguous_spec((state.num_heads,), "float32", 4, state.device))
-    plan = _plan.plan_backward(state, num_states, specs, options, tuning)
+    plan = _plan_backward.plan_backward(state, num_states, specs, options, tuning)
     if specs.sinks is not None:  # summed from the rows' terms by the plan's last launch (zeros with no launch)
         fresh.append(FreshOutput("grad_sinks", (state.num_heads,), "float32", zeroed=not plan))
         if plan:
             terms = (state.num_heads * state.num_tokens,)
-            fresh.append(FreshOutput(_plan.SINK_TERMS, terms, "float32", scratch=True))
+            fresh.append(FreshOutput(_plan_backward.SINK_TERMS, terms, "float32", scratch=True))
     return Planned(plan, state, tuple(fresh), None)
 
 

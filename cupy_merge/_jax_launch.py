@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _checks, _dispatch, _kernels, _plan, _tuning
+from . import _arrays, _checks, _dispatch, _kernels, _plan_backward, _tuning
 from ._arrays import ArraySpec
 from ._catalogue import FP8, ITEMSIZES
 from ._operands import BackwardOperands
@@ -380,12 +380,12 @@ def _build_backward_entry(cfg: _Config, avals: tuple) -> _Entry:
     specs = specs._replace(**gradients)
     names: Any = operation.names
     state, num_states = _checks.check_backward(specs, names, options)
-    plan = _plan.plan_backward(state, num_states, specs, options, tuning)
+    plan = _plan_backward.plan_backward(state, num_states, specs, options, tuning)
     loose = specs._replace(**{
         field: spec._replace(align=min(spec.align, spec.itemsize))
         for field, spec in zip(specs._fields, specs) if spec is not None
     })  # fmt: skip
-    loose_plan = _plan.plan_backward(state, num_states, loose, options, tuning)
+    loose_plan = _plan_backward.plan_backward(state, num_states, loose, options, tuning)
     index = {field: position for position, field in enumerate(cfg.fields)}  # buffers: inputs, then results
     index.update({field: len(cfg.fields) + position for position, (field, _, _) in enumerate(results)})
     host = HostCall(operation, options, specs, index)

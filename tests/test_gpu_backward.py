@@ -413,10 +413,10 @@ def test_every_split_of_a_rows_states_over_groups_follows_the_reference(rng, sta
 def test_long_dense_rows_split_over_groups_however_many_rows_follow_the_reference(rng, num_states):
     """Rows long enough for groups of backward_group_chunks chunks take them even where the rows
     alone would fill the GPU (here: where a single thread would, busy_threads 1)."""
-    from cupy_merge import _plan, _tuning
+    from cupy_merge import _plan_backward, _tuning
 
     tuning = _tuning.DEFAULT.replace(backward_busy_threads=1, backward_split_chunks=2**62)
-    assert _plan.backward_rows(16, 18, num_states, False, tuning).groups > 1  # the long rows' rule alone
+    assert _plan_backward.backward_rows(16, 18, num_states, False, tuning).groups > 1  # the long rows' rule alone
     _expect_the_references_gradients(rng, tuning, num_states, 6, 3, 128, "bfloat16", False, np.int32)
 
 

@@ -16,7 +16,7 @@ from views import arguments, family, plan_checked, template, view
 
 import cupy_merge as cm
 from cupy_merge import _catalogue as cat
-from cupy_merge import _dispatch, _plan, _tuning
+from cupy_merge import _dispatch, _plan_backward, _tuning
 from cupy_merge._operands import BackwardOperands, BackwardOptions, ManyStateOptions
 from cupy_merge._ops import (
     MERGE_STATES,
@@ -159,11 +159,11 @@ def test_the_sinks_gradient_is_summed_from_the_rows_terms_by_a_last_launch():
                                  _backward(64, 16, sinks=True))  # fmt: skip
     *gradients, last = planned.plan
     assert family(last) is cat.SUM_SINK_TERMS
-    assert {field for _, field, _ in last.pointers} == {"grad_sinks", _plan.SINK_TERMS}
-    assert all(_plan.SINK_TERMS in {field for _, field, _ in launch.pointers} for launch in gradients)
+    assert {field for _, field, _ in last.pointers} == {"grad_sinks", _plan_backward.SINK_TERMS}
+    assert all(_plan_backward.SINK_TERMS in {field for _, field, _ in launch.pointers} for launch in gradients)
     fresh = {output.field: output for output in planned.fresh}
-    assert fresh[_plan.SINK_TERMS].scratch and not fresh[_plan.SINK_TERMS].zeroed  # every row's term written
-    assert fresh[_plan.SINK_TERMS].shape == (4 * 64,)
+    assert fresh[_plan_backward.SINK_TERMS].scratch and not fresh[_plan_backward.SINK_TERMS].zeroed  # every row's term written
+    assert fresh[_plan_backward.SINK_TERMS].shape == (4 * 64,)
     assert not fresh["grad_sinks"].zeroed  # written whole by the sum
 
 

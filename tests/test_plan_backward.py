@@ -6,7 +6,7 @@ import pytest
 from views import arguments, template, view
 
 from cupy_merge import _catalogue as cat
-from cupy_merge import _dispatch, _plan, _tuning
+from cupy_merge import _dispatch, _plan, _plan_backward, _tuning
 from cupy_merge._operands import BackwardOperands, BackwardOptions
 from cupy_merge._ops import MERGE_STATE_BACKWARD, MERGE_STATES_BACKWARD, MERGE_STATES_VARLEN_BACKWARD
 
@@ -54,7 +54,7 @@ def _ragged(rows, tokens=TOKENS):
 def test_a_two_way_gradient_takes_the_two_state_short_rows():
     launch = _plan_of(MERGE_STATE_BACKWARD, _two_way())
     assert template(launch)["SHORT"] == "2" and template(launch)["PACKS"] == "1"
-    assert launch.block == (16, _plan.BACKWARD_THREADS // 16, 1)  # 16 packs of 8 a row
+    assert launch.block == (16, _plan_backward.BACKWARD_THREADS // 16, 1)  # 16 packs of 8 a row
 
 
 @pytest.mark.parametrize("states, short", [(1, "4"), (2, "2"), (3, "4"), (4, "4"), (5, "0"), (64, "0")])
@@ -65,7 +65,7 @@ def test_dense_rows_of_at_most_four_states_are_short(states, short):
 def test_rows_of_more_packs_than_lanes_are_not_short():
     launch = _plan_of(MERGE_STATES_BACKWARD, _dense(2, head_size=512, dtype="float32"))  # 128 packs of 4
     assert template(launch)["PACKS"] == "0" and template(launch)["SHORT"] == "0"
-    assert launch.block == (32, _plan.BACKWARD_THREADS // 64, 2)  # its two states over two groups
+    assert launch.block == (32, _plan_backward.BACKWARD_THREADS // 64, 2)  # its two states over two groups
 
 
 def test_ragged_rows_are_never_short():
@@ -117,7 +117,7 @@ TWO_PACK_ROWS = _tuning.DEFAULT.backward_two_pack_rows
     (0, 10, 2, False, (0, 0, 1)),
 ])  # fmt: skip
 def test_rows_of_many_states_take_two_packs_a_lane_when_there_are_threads_enough(packs, rows, states, ragged, want):
-    assert _plan.backward_rows(packs, rows, states, ragged, _tuning.DEFAULT)[:3] == want
+    assert _plan_backward.backward_rows(packs, rows, states, ragged, _tuning.DEFAULT)[:3] == want
 
 
 @pytest.mark.parametrize("packs, rows, states, ragged, held, groups", [
@@ -137,22 +137,22 @@ def test_rows_of_many_states_take_two_packs_a_lane_when_there_are_threads_enough
     (100, 4096, 9, False, 0, 1),
 ])  # fmt: skip
 def test_few_rows_of_many_chunks_split_their_states_over_groups(packs, rows, states, ragged, held, groups):
-    got = _plan.backward_rows(packs, rows, states, ragged, _tuning.DEFAULT)
+    got = _plan_backward.backward_rows(packs, rows, states, ragged, _tuning.DEFAULT)
     assert (got.held, got.groups) == (held, groups)
-    assert got.lanes * groups <= _plan.BACKWARD_THREADS
-    assert _plan.backward_rows(packs, rows, states, ragged, _tuning.DEFAULT.replace(backward_groups=1)).groups == 1
+    assert got.lanes * groups <= _plan_backward.BACKWARD_THREADS
+    assert _plan_backward.backward_rows(packs, rows, states, ragged, _tuning.DEFAULT.replace(backward_groups=1)).groups == 1
 
 
 @pytest.mark.parametrize("rows, states, groups", [(2048, 16, 4), (1 << 20, 1000, 1), (16384, 48, 1), (131072, 8, 1)])
 def test_without_group_chunks_only_rows_too_few_for_the_gpu_split_over_groups(rows, states, groups):
     tuning = _tuning.DEFAULT.replace(backward_group_chunks=0)
-    assert _plan.backward_rows(16, rows, states, False, tuning).groups == groups
+    assert _plan_backward.backward_rows(16, rows, states, False, tuning).groups == groups
 
 
 def test_groups_share_the_blocks_threads():
     launch = _plan_of(MERGE_STATES_BACKWARD, _dense(16))
     lanes, rows_y, groups = launch.block
-    assert groups == 4 and lanes * rows_y * groups == _plan.BACKWARD_THREADS
+    assert groups == 4 and lanes * rows_y * groups == _plan_backward.BACKWARD_THREADS
     assert launch.grid[0] == -(-TOKENS * HEADS // rows_y)
 
 
@@ -172,7 +172,7 @@ def test_a_ragged_gradient_has_blocks_enough_to_zero_the_rows_no_token_owns(toke
     zeroing = planned.plan[-1]
     _, rows_y, groups = zeroing.block  # the zeroing runs over every group's rows of threads
     tokens_blocks = -(-tokens * HEADS // rows_y)
-    zeroing_blocks = min(-(-rows * HEADS // (rows_y * groups)), _plan.BACKWARD_ZEROING_BLOCKS)
+    zeroing_blocks = min(-(-rows * HEADS // (rows_y * groups)), _plan_backward.BACKWARD_ZEROING_BLOCKS)
     assert zeroing.grid[0] == max(tokens_blocks, zeroing_blocks)
     if len(planned.plan) == 2:
         split = planned.plan[0]
@@ -185,7 +185,7 @@ def test_every_row_kind_the_planner_chooses_is_instantiated():
         for rows in (1, TWO_PACK_ROWS - 1, TWO_PACK_ROWS):
             for states in (0, 1, 2, 3, 4, 5, 64):
                 for ragged in (False, True):
-                    held, short, lanes, groups, _ = _plan.backward_rows(packs, rows, states, ragged, _tuning.DEFAULT)
+                    held, short, lanes, groups, _ = _plan_backward.backward_rows(packs, rows, states, ragged, _tuning.DEFAULT)
                     assert packs <= max(held, 1) * lanes or held == 0, (packs, held, lanes)
                     assert groups == 1 or not short, (states, groups)
                     kinds.add((held, short, ragged))
@@ -219,7 +219,7 @@ def test_rows_too_few_for_groups_alone_split_their_states_over_blocks_then_finis
     (32, 100, True, 2),  # 25 chunks: a share of at least two a group
 ])  # fmt: skip
 def test_splits_keep_the_threads_within_busy_threads(rows, states, ragged, splits):
-    got = _plan.backward_rows(16, rows, states, ragged, _tuning.DEFAULT)
+    got = _plan_backward.backward_rows(16, rows, states, ragged, _tuning.DEFAULT)
     assert got.splits == splits
     assert rows * got.lanes * got.groups * got.splits <= max(_tuning.DEFAULT.backward_busy_threads, rows * got.lanes)
 
@@ -228,7 +228,7 @@ def test_no_tokens_over_a_large_buffer_do_not_split():
     """A ragged batch of no tokens has no states to split: one launch, its zeroing grid."""
     (launch,) = _dispatch.plan_for(MERGE_STATES_VARLEN_BACKWARD, BackwardOptions(), _tuning.DEFAULT,
                                    _ragged(100_000, tokens=0)).plan  # fmt: skip
-    assert launch.grid == (_plan.BACKWARD_ZEROING_BLOCKS, 1, 1)
+    assert launch.grid == (_plan_backward.BACKWARD_ZEROING_BLOCKS, 1, 1)
 
 
 def _with_results(operands, head_size=128, dtype="bfloat16", tokens=TOKENS):
@@ -293,7 +293,7 @@ def test_a_ragged_batch_given_its_results_takes_one_launch_that_also_zeroes_the_
     (0, 10, 9, False, (0, 1, 1)),
 ])  # fmt: skip
 def test_the_kernel_given_the_results_splits_few_rows_over_blocks(packs, rows, states, ragged, want):
-    got = _plan.backward_from_output_rows(packs, rows, states, ragged, _tuning.DEFAULT.replace(
+    got = _plan_backward.backward_from_output_rows(packs, rows, states, ragged, _tuning.DEFAULT.replace(
         backward_from_output_two_pack_rows=2**62))  # fmt: skip
     assert (got.held, got.lanes, got.splits) == want
 
