@@ -38,26 +38,68 @@ __all__ = ["batch_invariant", "is_batch_invariant", "set_batch_invariant"]
 def set_batch_invariant(enabled: bool = True) -> None:
     """Turn batch-invariant planning on (or off) for every thread of the process.
 
-    Example: ``cm.set_batch_invariant(True)`` once at start-up, as an engine's deterministic
-    mode would; merges bound or traced before keep the plans they were given.
+    Merges bound (``cm.bind``) or traced (``jax.jit``) before keep the plans they were given.
+
+    Parameters
+    ----------
+    enabled : bool
+        True: a token's results are the same bits whatever else is in the batch; False: the
+        default, plans chosen for speed from the whole batch.
+
+    Examples
+    --------
+    >>> import cupy_merge as cm
+    >>> cm.set_batch_invariant(True)      # once at start-up, as an engine's deterministic mode would
+    >>> cm.is_batch_invariant()
+    True
+    >>> cm.set_batch_invariant(False)
     """
     _dispatch.set_default_tuning(_tuning.DEFAULT.replace(batch_invariant=_flag(enabled)))
 
 
 @contextlib.contextmanager
 def batch_invariant(enabled: bool = True) -> Iterator[None]:
-    """Plan the merges of this thread (and task) batch-invariantly inside the block.
+    """Plan the merges of this thread (and asyncio task) batch-invariantly inside the block.
 
-    >>> with cm.batch_invariant():                # doctest: +SKIP
-    ...     alone = cm.merge_states(v[:, :1], s[:, :, :1])[0]
-    ...     batch = cm.merge_states(v, s)[0]      # batch[:1] == alone, bit for bit
+    Parameters
+    ----------
+    enabled : bool
+        True: batch-invariant plans inside the block; False: the default plans inside it, whatever
+        the process-wide mode.
+
+    Yields
+    ------
+    None
+        The mode is restored when the block ends.
+
+    Examples
+    --------
+    >>> import cupy_merge as cm
+    >>> with cm.batch_invariant():
+    ...     cm.is_batch_invariant()
+    True
+    >>> cm.is_batch_invariant()
+    False
     """
     with _tuning.use(_tuning.current().replace(batch_invariant=_flag(enabled))):
         yield
 
 
 def is_batch_invariant() -> bool:
-    """Whether merges called here and now are planned batch-invariantly."""
+    """Whether merges called here and now are planned batch-invariantly.
+
+    Returns
+    -------
+    bool
+        The mode in force on this thread: :func:`batch_invariant`'s inside its block, else the
+        process-wide one (:func:`set_batch_invariant`, ``CUPY_MERGE_BATCH_INVARIANT``).
+
+    Examples
+    --------
+    >>> import cupy_merge as cm
+    >>> cm.is_batch_invariant()
+    False
+    """
     return _tuning.current().batch_invariant
 
 
