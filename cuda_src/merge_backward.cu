@@ -5,7 +5,7 @@
 //   dV_i = w_i dV
 //   ds_i = w_i (<dV, V_i> - <dV, V> + dS)        (<.,.> over head_size; <dV, V> = sum_i w_i <dV, V_i>)
 //   dz   = w_z (dS - <dV, V>),  w_z = exp(z - S)  (summed over the tokens of the sink's head: each
-//          row's term is stored in sink_terms [heads, tokens], zeroed by the caller, and
+//          row's term is stored in sink_terms [heads, tokens] (bad offsets: 0), and
 //          sum_sink_terms adds them up in a fixed order, so the sinks' gradients are the same bits
 //          run to run, where float atomics added them in the order the blocks ran)
 // A state of weight zero gets zero gradients, never NaN, even when its values are NaN. A row

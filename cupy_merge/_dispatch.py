@@ -43,6 +43,8 @@ from ._ops import FORWARD_RESULTS, Operation
 _MAX_CALLS = 4096
 #: Prepared calls by fingerprint, for the default tuning (others: ``_calls_by_tuning``).
 _calls: dict[tuple, Call] = {}
+#: The tuning ``_calls`` serves (the process's default when it was last set).
+_calls_owner: _tuning.Tuning = _tuning.DEFAULT
 _calls_by_tuning: dict[_tuning.Tuning, dict[tuple, Call]] = {}
 #: Plans by specialisation (and options, tuning).
 _plans: dict[tuple, Planned] = {}
@@ -123,13 +125,15 @@ def register_jax(jax_call: Callable[..., Any]) -> None:
 
 def set_default_tuning(tuning: _tuning.Tuning) -> None:
     """Make ``tuning`` the process's default; the calls prepared for the old one are kept with
-    the other tunings' (``_calls`` serves the default alone, by identity)."""
-    global _calls
-    old = _tuning.DEFAULT
+    the other tunings'. Safe against concurrent calls: each step leaves ``call`` reading either
+    the pair (``_calls``, ``_calls_owner``) as it was or the other tunings' dict of its own tuning,
+    and no thread plans with the new default before ``_calls`` is its dict."""
+    global _calls, _calls_owner
+    old, old_calls = _calls_owner, _calls
+    _calls_by_tuning[old] = old_calls
+    _calls_owner = tuning
+    _calls = _calls_by_tuning.setdefault(tuning, {})
     _tuning.set_default(tuning)
-    if tuning is not old:
-        _calls_by_tuning[old] = _calls
-        _calls = _calls_by_tuning.pop(tuning, {})
 
 
 # -- the call sequence ----------------------------------------------------------------------------
@@ -146,7 +150,9 @@ def call(operation: Operation, options: Options, operands: Operands, stream: Any
             return _jax_call(operation, options, operands, stream)
         prepared = prepare(operation, options, operands, tuning)
     else:
-        calls = _calls if tuning is _tuning.DEFAULT else _calls_by_tuning.setdefault(tuning, {})
+        calls = _calls  # read before its owner (set_default_tuning sets them in the other order)
+        if tuning is not _calls_owner:
+            calls = _calls_by_tuning.setdefault(tuning, {})
         key = (operation, options, fingerprint)
         cached = calls.get(key)
         if cached is None:

@@ -107,19 +107,25 @@ def index_type(specs: list[ArraySpec | None], rows: int, num_states: int = 0) ->
     return "int"
 
 
-def choose_vector_width(values: list[ArraySpec], head_size: int, widths: tuple[int, ...]) -> int:
-    """The widest pack (elements) that divides the row and keeps every access aligned."""
+def choose_vector_width(
+    values: list[ArraySpec], head_size: int, widths: tuple[int, ...], every_stride: bool = False
+) -> int:
+    """The widest pack (elements) that divides the row and keeps every access aligned.
+
+    Strides of dims of extent 1 are never used, so they need not be aligned, unless
+    ``every_stride`` (batch-invariant gradients, whose sums follow the width: one token of a
+    batch's layout must take the width the batch takes)."""
     for vec in widths:
-        if head_size % vec == 0 and all(_pack_aligned(spec, vec) for spec in values):
+        if head_size % vec == 0 and all(_pack_aligned(spec, vec, every_stride) for spec in values):
             return vec
     return 1
 
 
-def _pack_aligned(spec: ArraySpec, vec: int) -> bool:
+def _pack_aligned(spec: ArraySpec, vec: int, every_stride: bool = False) -> bool:
     if spec.align < min(vec * spec.itemsize, 16):
         return False
-    # Strides of dims of extent 1 are never used, so they need not be aligned.
-    return all(stride % vec == 0 for extent, stride in zip(spec.shape[:-1], spec.strides[:-1]) if extent > 1)
+    dims = zip(spec.shape[:-1], spec.strides[:-1])
+    return all(stride % vec == 0 for extent, stride in dims if extent > 1 or every_stride)
 
 
 def heads_packed(spec: ArraySpec, head_size: int) -> bool:
@@ -388,7 +394,7 @@ def plan_many_states(
         group = _group_geometry(specs.output_block_scale, group_size, vec)
         row_states = num_states if indptr is None else -(-num_states // num_tokens)  # ragged: the mean
         if tuning.batch_invariant:  # the splits the row's count asks for, the packs a block fewer if need be
-            splits = invariant_splits(num_states, indptr is not None, group["packs_per_group"], tuning)
+            splits = invariant_splits(num_states, indptr is not None, group_size or 1, tuning)
             limit = tuning.packed_block_limit // splits
             packs = max(tuning.min_pack_threads, tuning.packed_many_threads // splits)  # whole sectors a load
             threads_x = _group_block(packs, group["packs_per_group"], limit)
@@ -486,15 +492,17 @@ def choose_state_splits(
     return max(1, min(wanted, useful, tuning.max_splits if max_splits is None else max_splits))
 
 
-def invariant_splits(row_states: int, ragged: bool, packs_per_group: int, tuning: Tuning) -> int:
+def invariant_splits(row_states: int, ragged: bool, group_size: int, tuning: Tuning) -> int:
     """A batch-invariant N-way block's splits, from what every row of the batch shares: a dense
     row of ``row_states`` states one a ``tuning.invariant_split_states`` states, at most
-    ``tuning.invariant_max_splits`` (and as many as a block of ``tuning.min_pack_threads`` packs,
-    or of whole FP8 groups of ``packs_per_group`` packs, holds); a ragged row one (a block's splits cannot follow each row's
-    own count without idling most of its threads: sweep of session 25)."""
+    ``tuning.invariant_max_splits`` and as many as a block of ``tuning.min_pack_threads`` packs,
+    or of a whole FP8 group of ``group_size`` elements, holds at one element a pack (the narrowest
+    width alignment may force: the splits must not follow the arrays' alignment); a ragged row
+    one (a block's splits cannot follow each row's own count without idling most of its threads:
+    sweep of session 25)."""
     if ragged:
         return 1
-    widest = max(packs_per_group, tuning.min_pack_threads)  # packs a block holds at least
+    widest = max(group_size, tuning.min_pack_threads)  # packs a block holds at least
     most = min(tuning.invariant_max_splits, max(1, tuning.packed_block_limit // widest))
     return max(1, min(most, -(-row_states // tuning.invariant_split_states)))
 

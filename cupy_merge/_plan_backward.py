@@ -174,9 +174,9 @@ def plan_backward(
         values += [_state_spec(v, 1), _state_spec(specs.grad_v, 1)]
     if from_output:
         values.append(specs.merged)
-    vec = choose_vector_width(
-        [spec for spec in values if spec is not None], head_size, cat.vector_widths(state.dtype, grad_out.dtype)
-    )
+    given = [spec for spec in values if spec is not None]
+    widths = cat.vector_widths(state.dtype, grad_out.dtype)
+    vec = choose_vector_width(given, head_size, widths, every_stride=tuning.batch_invariant)
     rows_of = backward_from_output_rows if from_output else backward_rows
     held, short, lanes, groups, splits = rows_of(head_size // vec, rows, row_states, ragged, tuning)
     rows_y = BACKWARD_THREADS // (lanes * groups)

@@ -5,10 +5,11 @@ float32 sums of the same terms in another order differ in their last bits. By de
 planner picks that order for speed from the whole batch (how many groups of threads split a
 row's states follows how many rows there are), so a token merged alone and the same token
 merged among thousands may differ by an ulp. In batch-invariant mode the order of a row
-depends on the row alone: an N-way or ragged row of ``n`` states is folded by
-``min(16, ceil(n / 8))`` groups of threads whose partials meet in one fixed tree, whichever
-kernel, block shape or batch size the planner chooses; a gradient's sums over a row's packs
-and states likewise follow the row's shape alone. Two-way merges are batch-invariant in either
+depends on the row alone: an N-way row of ``n`` states is folded by ``min(128, ceil(n / 16))``
+groups of threads (fewer for FP8 group scales: a block holds whole groups) whose partials meet
+in one fixed tree, whichever kernel, block shape or batch size the planner chooses; a ragged
+row by one; a gradient's sums over a row's packs and states follow the row's shape and the
+arrays' layout alone. Two-way merges are batch-invariant in either
 mode (each element is its own). The sinks' gradients are sums over the batch: the same bits on
 every run in either mode (fixed order, no atomics), but not batch-invariant by nature.
 
@@ -16,7 +17,9 @@ The mode is process-wide (:func:`set_batch_invariant`, or ``CUPY_MERGE_BATCH_INV
 the environment before import) or per thread (:func:`batch_invariant`, a context manager).
 Calls plan when first seen and keep their plan: ``bind`` and ``jax.jit`` take the mode in force
 when they bind or trace; compiled torch graphs run their merges in the mode in force when they
-run (their backward on autograd's thread: use the process-wide switch with ``torch.compile``).
+run. Autograd's thread sees the process-wide mode only: an eager merge's backward runs in its
+forward's mode, but with ``torch.compile``, activation checkpointing or compiled autograd use
+the process-wide switch.
 
 Its cost is measured in ``docs/performance.md`` (``python -m cupy_merge.bench --invariant``).
 

@@ -103,9 +103,25 @@ def test_group_scaled_fp8_rows_keep_their_order_and_whole_groups_a_block(group_s
         (launch,) = plan_checked(MERGE_STATES, options, views, INVARIANT).plan
         packs_per_group = group_size // 8
         assert launch.block[0] % packs_per_group == 0
-        most = min(INVARIANT.invariant_max_splits, INVARIANT.packed_block_limit // max(packs_per_group, 4))
+        most = min(INVARIANT.invariant_max_splits, INVARIANT.packed_block_limit // max(group_size, 4))
         assert _splits(launch) == min(most, _canonical(300, INVARIANT))
         assert launch.block[0] * launch.block[1] <= INVARIANT.packed_block_limit and launch.block[0] >= 4
+
+
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_group_scaled_fp8_splits_do_not_follow_the_arrays_alignment(group_size):
+    """A misaligned output takes narrower packs, so more of them a group: the splits must not change."""
+    options = ManyStateOptions(out_dtype="float8_e4m3fn", group_size=group_size)
+    splits = set()
+    for offset in (0, 4, 2):  # 16-, 4- and 2-byte aligned values
+        views = _many(7, 4096, 8, 128)
+        views["v"] = view((4096, 7, 8, 128), "bfloat16", ptr=(3 << 32) + offset)
+        views["out"] = view((7, 8, 128), "float8_e4m3fn", ptr=1 << 32)
+        views["output_block_scale"] = view((7, 8 * 128 // group_size), "float32", ptr=6 << 32)
+        (launch,) = plan_checked(MERGE_STATES, options, views, INVARIANT).plan
+        assert launch.block[0] * launch.block[1] <= INVARIANT.packed_block_limit
+        splits.add(_splits(launch))
+    assert splits == {INVARIANT.packed_block_limit // group_size}, splits
 
 
 def test_outside_the_mode_the_splits_follow_the_batch():
@@ -145,11 +161,26 @@ def _gradient_way(launch) -> tuple:
 def test_a_gradients_way_through_a_row_does_not_follow_the_batch(ragged, merged, head_size):
     operation = MERGE_STATES_VARLEN_BACKWARD if ragged else MERGE_STATES_BACKWARD
     ways = set()
-    for tokens in (1, 3, 64, 2048, 40000):
-        states = 48 * tokens if ragged else 48
+    for tokens, mean in ((1, 48), (3, 2), (64, 700), (2048, 8), (40000, 48), (5, 5000)):
+        states = mean * tokens if ragged else 48  # ragged: batches of other mean rows
         planned = _dispatch.plan_for(
             operation, BackwardOptions(), INVARIANT, _backward(tokens, states, head_size, ragged, merged)
         )
+        ways.add(_gradient_way(planned.plan[0]))
+    assert len(ways) == 1, ways
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_one_token_of_a_batchs_layout_takes_the_batchs_vector_width(merged):
+    """A stride of extent 1 is never used, but in batch-invariant mode it still decides the
+    gradient's width (its sums follow it): one token sliced from a batch whose token stride is
+    odd must not take wider packs than the batch."""
+    ways = set()
+    for tokens in (1, 64):
+        operands = _backward(tokens, 48, merged=merged)
+        grad_out = view((tokens, 4, 128), "bfloat16", ptr=3 << 32, strides=(513, 128, 1))
+        planned = _dispatch.plan_for(MERGE_STATES_BACKWARD, BackwardOptions(), INVARIANT,
+                                     operands._replace(grad_out=grad_out))  # fmt: skip
         ways.add(_gradient_way(planned.plan[0]))
     assert len(ways) == 1, ways
 

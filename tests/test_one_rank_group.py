@@ -237,21 +237,24 @@ def test_every_strategy_on_one_rank_writes_any_output_layout(group, mode, tokens
         np.testing.assert_allclose(out_lse.cpu().numpy(), want_s, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shard_heads, exchanging", [(False, "allgather"), (True, "alltoall")])
+@pytest.mark.parametrize("shard_heads, exchanging, summing", [
+    (False, "allgather", "allreduce"), (True, "alltoall", "allgather_reducescatter"),
+])  # fmt: skip
 def test_batch_invariant_mode_makes_auto_exchange_the_states_and_merge_them_in_rank_order(
-    group, rng, shard_heads, exchanging
+    group, rng, monkeypatch, shard_heads, exchanging, summing
 ):
-    """An NCCL sum's order is NCCL's: in batch-invariant mode "auto" never picks a summing strategy."""
+    """An NCCL sum's order is NCCL's: in batch-invariant mode "auto" never picks a summing strategy,
+    even where the cost model would (made to here: on one rank it would exchange anyway)."""
     from cupy_merge.distributed import _strategies
 
-    v, s = _state(rng, 4096, 8, 64, group)
+    monkeypatch.setattr(_strategies, "choose_strategy", lambda *args, **kwargs: summing)
+    v, s = _state(rng, 64, 8, 64, group)
     picked = {}
     for mode in (False, True):
         with cm.batch_invariant(mode):
-            call = _strategies.resolve(v, s, None, "auto", shard_heads, None, None, "e", None, None)
-            picked[mode] = call.op
+            picked[mode] = _strategies.resolve(v, s, None, "auto", shard_heads, None, None, "e", None, None).op
             out, lse = merge_across_ranks(v, s, shard_heads=shard_heads)
         want_v, want_s = reference.merge_states(v.cpu().numpy()[None], s.cpu().numpy()[None])
         np.testing.assert_allclose(out.cpu().numpy(), want_v, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(lse.cpu().numpy(), want_s, rtol=1e-5, atol=1e-6)
-    assert picked[True] == exchanging
+    assert picked == {False: summing, True: exchanging}
