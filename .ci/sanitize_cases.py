@@ -2,7 +2,8 @@
 
 Every N-way kernel shape (packed and strided: split rows of one token, many states of few rows
 combined as a tree, no split, odd head sizes, ragged rows with an empty one), group-scaled FP8 over split rows and the
-in-place two-way merge, each checked against the float64 reference. Exit status 1 on a wrong result.
+in-place two-way merge, the gradients, and batch-invariant plans (up to 128 splits a row), each checked against the
+float64 reference. Exit status 1 on a wrong result.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 .ci/sanitize_cases.py
 """
@@ -225,6 +226,38 @@ out = cupy.empty((3, 2, 2048), dtype=cupy.uint8)
 scales = cupy.empty((3, 2 * 2048), dtype=cupy.float32)
 cm.merge_attn_states(out, v_a, s_a, v_b, s_b, s_a, output_block_scale=scales, quant_group_size=1)
 check("group scales, LSE in place, long rows", s_a, want_s, 1e-5)
+
+# Batch-invariant plans: up to 128 splits a row (blocks of 4 packs, tree levels by shuffles and shared
+# memory) on both kernels, FP8 group scales at a 2-byte alignment, the gradients' plans.
+invariant = _tuning.DEFAULT.replace(batch_invariant=True)
+for packed in (True, False):
+    with _tuning.use(invariant.replace(packed_kernels=packed)):
+        for states, tokens in ((2048, 1), (300, 3), (17, 40)):
+            v, s = random_states(states, tokens, 4, 128, lse_shape=(states, 4, tokens))
+            got, got_lse = cm.merge_states(cupy.asarray(v), cupy.asarray(s), sinks=sinks[:4])
+            want, want_lse = reference.merge_states(v, s, sinks=sinks.get()[:4])
+            check(f"invariant packed={packed} {states}x{tokens}", got, want, 1e-5)
+            check(f"invariant packed={packed} {states}x{tokens} (LSE)", got_lse, want_lse, 1e-5)
+with _tuning.use(invariant):
+    v, s = random_states(600, 3, 4, 128, lse_shape=(600, 4, 3))
+    halves = cupy.asarray(numpy.concatenate([numpy.zeros(1, numpy.float16), v.astype(numpy.float16).ravel()]))
+    shifted = halves[1:].reshape(v.shape)  # 2-byte aligned values: one element a pack
+    out = cupy.empty((3, 4, 128), dtype=cupy.uint8)
+    scales = cupy.full((3, 4 * 128 // 64), numpy.nan, dtype=cupy.float32)
+    cm.merge_states(shifted, cupy.asarray(s), out=out, out_dtype="float8_e4m3fn", output_block_scale=scales,
+                    quant_group_size=64)  # fmt: skip
+    dequantised = out.get().view(ml_dtypes.float8_e4m3fn).astype(numpy.float64) * numpy.repeat(
+        scales.get(), 64, 1
+    ).reshape(3, 4, 128)
+    check("invariant FP8 groups, 2-byte aligned", dequantised, reference.merge_states(v.astype(numpy.float16), s)[0],
+          5e-2)  # fmt: skip
+    grad = rng.standard_normal((3, 4, 128)).astype(numpy.float32)
+    out, out_lse = cm.merge_states(cupy.asarray(v), cupy.asarray(s), sinks=sinks[:4])
+    got = cm.merge_states_backward(cupy.asarray(v), cupy.asarray(s), cupy.asarray(grad), sinks=sinks[:4], out=out,
+                                   out_lse=out_lse)  # fmt: skip
+    want = reference.merge_states_backward(v, s, grad, sinks=sinks.get()[:4])
+    for index, what in enumerate(("", " (LSE)", " (sinks)")):
+        check(f"invariant backward given results{what}", got[index], want[index], 1e-5)
 
 cupy.cuda.Device().synchronize()
 print(f"{len(failures)} wrong: {failures}" if failures else "all correct")
