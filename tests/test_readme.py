@@ -49,3 +49,18 @@ def test_every_relative_link_of_the_readme_exists():
     assert any(target.startswith("docs/") for target in links)
     for target in links:
         assert (ROOT / target).exists(), target
+
+
+def test_the_kernel_counts_the_readme_and_docs_give_are_the_catalogues():
+    """The numbers of modules and instantiations `python -m cupy_merge` and `--arch` compile."""
+    from cupy_merge import _catalogue as cat
+
+    every = cat.every_module()
+    same = cat.same_dtype_modules()
+    total = f"{sum(len(cat.module_instances(module)) for module in every):,}"
+    first = f"{sum(len(cat.module_instances(module)) for module in same)} of the {total} kernel instantiations"
+    assert f"{first}, {len(same)} of {len(every)} modules" in README.replace("\n", " ")
+    for page in ("cli.rst", "install.rst"):
+        text = (ROOT / "docs" / page).read_text(encoding="utf-8").replace("\n", " ")
+        counts = re.findall(r"\b(\d,\d{3}) (?:for sm_90|instantiations)", text)
+        assert counts and set(counts) == {total}, (page, counts, total)
