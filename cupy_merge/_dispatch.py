@@ -309,9 +309,7 @@ def _plan_gradients(
     for field, like in pairs:
         dtype = like.dtype
         fresh.append(FreshOutput(field, tuple(like.shape), dtype))
-        specs = specs._replace(
-            **{field: _arrays.contiguous_spec(tuple(like.shape), dtype, like.itemsize, state.device)}
-        )
+        specs = specs._replace(**{field: _arrays.contiguous_spec(tuple(like.shape), dtype, like.itemsize, state.device)})
     if specs.sinks is not None:
         specs = specs._replace(grad_sinks=_arrays.contiguous_spec((state.num_heads,), "float32", 4, state.device))
     plan = _plan_backward.plan_backward(state, num_states, specs, options, tuning)

@@ -161,12 +161,12 @@ def plan_backward(
     rows = num_tokens * num_heads
     # Ragged: the mean (counting rows no token owns); no tokens: nothing to split.
     row_states = (-(-num_states // num_tokens) if num_tokens else 0) if ragged else num_states
-    # Batch-invariant: given the results, the kernel by the rows' states alone (dense: their count;
-    # ragged, whose mean follows the batch: always the kernel that reads them).
-    from_output = specs.merged is not None and (
-        (tuning.batch_invariant and (ragged or row_states >= tuning.backward_from_output_states))
-        or (rows < tuning.backward_from_output_rows and row_states >= tuning.backward_from_output_states)
-    )
+    long_rows = row_states >= tuning.backward_from_output_states
+    if tuning.batch_invariant:  # by the rows' states alone (a ragged batch's mean follows the batch)
+        from_output = ragged or long_rows
+    else:
+        from_output = long_rows and rows < tuning.backward_from_output_rows
+    from_output = from_output and specs.merged is not None
     source = cat.BACKWARD_FROM_OUTPUT_SOURCE if from_output else cat.BACKWARD_SOURCE
     module = cat.Module(source, state.dtype, grad_out.dtype, specs.sinks is not None, tuning.compile_options)
     values = [v, grad_out, specs.grad_v] + ([specs.v_b, specs.grad_v_b] if two_way else [])

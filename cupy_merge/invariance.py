@@ -21,7 +21,7 @@ run. Autograd's thread sees the process-wide mode only: an eager merge's backwar
 forward's mode, but with ``torch.compile``, activation checkpointing or compiled autograd use
 the process-wide switch.
 
-Its cost is measured in ``docs/performance.md`` (``python -m cupy_merge.bench --invariant``).
+Its guarantees and measured cost: ``docs/determinism.rst`` (``python -m cupy_merge.bench --invariant``).
 
 >>> import cupy_merge as cm
 >>> with cm.batch_invariant():                    # doctest: +SKIP

@@ -27,6 +27,7 @@ imported before ``cupy_merge``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -631,11 +632,8 @@ def _make_function(torch: Any, operation: _ops.Operation) -> Any:
             operands = BackwardOperands(None, None, grad_out=_unit_last(grad_v), grad_lse=_dense(grad_s), merged=merged,
                                         merged_lse=merged_lse, **arrays)  # fmt: skip
             options = _options.backward_options(lse_base=ctx.lse_base)
-            if ctx.tuning is None:
+            with contextlib.nullcontext() if ctx.tuning is None else _tuning.use(ctx.tuning):
                 grads = _dispatch.call(backward, options, operands, None)
-            else:
-                with _tuning.use(ctx.tuning):
-                    grads = _dispatch.call(backward, options, operands, None)
             by_field = dict(zip(operation.gradients, grads))
             return (*(by_field.get(field) for field in fields), *(None,) * len(option_type._fields))
 
