@@ -2,7 +2,7 @@
 
 Every N-way kernel shape (packed and strided: split rows of one token, many states of few rows
 combined as a tree, no split, odd head sizes, ragged rows with an empty one), group-scaled FP8 over split rows and the
-in-place two-way merge, the gradients, and batch-invariant plans (up to 128 splits a row), each checked against the
+in-place two-way merge, the gradients, and batch-invariant plans (up to 64 splits a row), each checked against the
 float64 reference. Exit status 1 on a wrong result.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 .ci/sanitize_cases.py
@@ -227,7 +227,7 @@ scales = cupy.empty((3, 2 * 2048), dtype=cupy.float32)
 cm.merge_attn_states(out, v_a, s_a, v_b, s_b, s_a, output_block_scale=scales, quant_group_size=1)
 check("group scales, LSE in place, long rows", s_a, want_s, 1e-5)
 
-# Batch-invariant plans: up to 128 splits a row (blocks of 4 packs, tree levels by shuffles and shared
+# Batch-invariant plans: up to 64 splits a row (blocks of 8 packs, tree levels by shuffles and shared
 # memory) on both kernels, FP8 group scales at a 2-byte alignment, the gradients' plans.
 invariant = _tuning.DEFAULT.replace(batch_invariant=True)
 for packed in (True, False):

@@ -216,9 +216,20 @@ def _pointer(specs: NamedTuple, field: str) -> Pointer | int:
     return Pointer(field) if getattr(specs, field) is not None else 0
 
 
+#: CUDA's limits on a block's x, y and z and its threads, and on a grid's y and z.
+BLOCK_DIMS, BLOCK_THREADS, GRID_YZ = (1024, 1024, 64), 1024, 65535
+
+
 def _launch(
     family: cat.KernelFamily, module: cat.Module, template: dict, grid, block, shared: int, args: dict
 ) -> KernelLaunch:
+    if (
+        any(not 1 <= size <= most for size, most in zip(block, BLOCK_DIMS))
+        or block[0] * block[1] * block[2] > BLOCK_THREADS
+        or not 1 <= grid[0] < 2**31
+        or any(not 1 <= size <= GRID_YZ for size in grid[1:])
+    ):  # a planner's mistake: refused here, never a launch that fails with an invalid argument
+        raise RuntimeError(f"cupy_merge planned a {family.name} launch past CUDA's limits: grid {grid}, block {block}")
     slots = tuple(
         (slot, value.field, value.offset)
         for slot, value in enumerate(args[name] for name in family.params)
@@ -503,7 +514,7 @@ def invariant_splits(row_states: int, ragged: bool, group_size: int, tuning: Tun
     if ragged:
         return 1
     widest = max(group_size, tuning.min_pack_threads)  # packs a block holds at least
-    most = min(tuning.invariant_max_splits, max(1, tuning.packed_block_limit // widest))
+    most = min(tuning.invariant_max_splits, BLOCK_DIMS[2], max(1, tuning.packed_block_limit // widest))
     return max(1, min(most, -(-row_states // tuning.invariant_split_states)))
 
 

@@ -143,10 +143,11 @@ class Tuning:
     #: size); gradients take a way through their rows chosen from the rows' shape alone (their
     #: sums over a row's packs and states follow it). Session 25's sweep: 16 states a split kept
     #: rows of 64 states x 64 tokens at 82 % of the copy (8: 73 %), and single tokens of
-    #: thousands of states need 128 splits (16: 30 % at 4096 states).
+    #: thousands of states need many splits (16: 30 % at 4096 states); at most 64, the most a
+    #: block's z dimension holds (the strided kernel's splits; session 26: 65 failed to launch).
     batch_invariant: bool = False
     invariant_split_states: int = 16
-    invariant_max_splits: int = 128
+    invariant_max_splits: int = 64
     #: Programmatic dependent launch on sm_90 and newer: a merge's blocks start while the kernel
     #: before it drains, and wait for its results before their first load. Off by default: in a
     #: CUDA-graph chain (producer, merge, consumer) it saved nothing measurable (within +-1 us at

@@ -63,7 +63,7 @@ def _many(tokens, states, heads, head_size, dtype="bfloat16", indptr=False, out_
 
 @settings(max_examples=60, deadline=None)
 @given(
-    states=st.integers(3, 700),
+    states=st.integers(3, 4000),  # past 64 splits: the planner must stay within a block's z
     tokens=st.sampled_from([1, 2, 7, 64, 1000, 20000]),
     heads=st.sampled_from([1, 8, 32]),
     head_size=st.sampled_from([64, 128, 256, 40]),
