@@ -40,9 +40,7 @@ def _function(operation, options, tuning, fields: tuple[str, ...], in_place: boo
     key = (operation, options, tuning, fields, in_place, scales_aliased)
     function = _jitted.get(key)
     if function is None:
-        layouts = tuple("ht" if field in ("s_a", "s_b") or (field == "s" and "indptr" in fields) else
-                        "nt" if field == "v" and "indptr" not in fields else
-                        "nht" if field == "s" else "" for field in fields)  # fmt: skip
+        layouts = _jax_launch.natural_orders(operation, fields)
         cfg = _Config(operation, options, tuning, fields, layouts, "ht", in_place, scales_aliased)
         function = _jax().jax.jit(_differentiable(cfg))
         with _lock:

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _checks, _dispatch, _kernels, _plan_backward, _tuning
+from . import _arrays, _checks, _dispatch, _kernels, _ops, _plan_backward, _tuning
 from ._arrays import ArraySpec
 from ._catalogue import FP8, ITEMSIZES
 from ._operands import BackwardOperands
@@ -97,6 +97,14 @@ def _devices_to_prepare() -> tuple[int, ...]:
 _PERMS: dict[str, tuple[int, ...] | None] = {
     "": None, "ht": None, "nt": None, "nht": None, "th": (1, 0), "tn": (1, 0, 2, 3), "tnh": (1, 2, 0),
 }  # fmt: skip
+#: The order of an operand given in its declared layout (the public functions' own).
+_NATURAL = {_ops.LSE: "ht", _ops.ROW_LSE: "ht", _ops.STACKED: "nt", _ops.STACKED_LSE: "nht"}
+
+
+def natural_orders(operation: _dispatch.Operation, fields: tuple[str, ...]) -> tuple[str, ...]:
+    """The orders of ``fields`` as the public functions take them, from the operation's layouts."""
+    return tuple(_NATURAL.get(operation.layouts[field], "") for field in fields)
+
 
 
 class _Config(NamedTuple):

@@ -27,6 +27,43 @@ from ._operands import BackwardOperands, ManyStateOperands, Operands, Options, T
 #: What a merge returns: its values and LSE.
 FORWARD_RESULTS = ("out", "out_lse")
 
+# -- what each operand holds -----------------------------------------------------------------------
+#: An operand's layout: the axes of its logical shape. A batching rule reads from it how a batch
+#: of the operand folds into one launch's tokens (``_jax_batching``), an integration its natural
+#: order. T tokens, H heads, D the head size, N states a token, R ragged rows.
+VALUES = "values"  # one state's values [T, H, D]
+TOKENS = "tokens"  # another array of a row a token [T, ...]: a mask, group scales, a result, a cotangent
+LSE = "lse"  # [H, T]
+STACKED = "stacked"  # N states of every token [N, T, H, D]
+STACKED_LSE = "stacked_lse"  # [N, H, T]
+ROWS = "rows"  # ragged states [R, H, D]: token t's are rows indptr[t]:indptr[t + 1]
+ROW_LSE = "row_lse"  # [H, R]
+OFFSETS = "offsets"  # [T + 1]
+PER_HEAD = "per_head"  # [H]: the sinks and their gradient
+SCALAR = "scalar"  # []: a scale on the device
+
+#: The layout of each operand field whatever the family; the states' values and LSEs (and their
+#: gradients) follow the family (:func:`_layouts`).
+_FIXED_LAYOUTS = {
+    "out": TOKENS, "out_lse": LSE, "mask": TOKENS, "output_block_scale": TOKENS, "grad_out": TOKENS,
+    "grad_lse": LSE, "merged": TOKENS, "merged_lse": LSE, "indptr": OFFSETS, "sinks": PER_HEAD,
+    "grad_sinks": PER_HEAD, "output_scale": SCALAR,
+}  # fmt: skip
+_STATE_VALUES = ("v_a", "v_b", "v", "grad_v", "grad_v_b")
+_STATE_LSES = ("s_a", "s_b", "s", "grad_s", "grad_s_b")
+
+
+def _layouts(names: Operands, ragged: bool) -> dict[str, str]:
+    """Every declared operand field's layout: two states' [T, H, D] and [H, T], N-way states
+    stacked, ragged ones as rows."""
+    two_way = isinstance(names, TwoStateOperands) or bool(getattr(names, "v_b", None))
+    values, lses = (VALUES, LSE) if two_way else (ROWS, ROW_LSE) if ragged else (STACKED, STACKED_LSE)
+    return {
+        field: values if field in _STATE_VALUES else lses if field in _STATE_LSES else _FIXED_LAYOUTS[field]
+        for field in names._fields
+        if getattr(names, field)
+    }
+
 
 class Operation:
     """A public merge as the rest of the package sees it.
@@ -38,12 +75,13 @@ class Operation:
     results. ``backward`` (a differentiable merge): the operation giving its gradients, with
     ``backward_inputs`` (the backward's operand field -> this merge's field), ``gradients`` (this
     merge's fields, in the order the backward returns their gradients) and whether it reads this
-    merge's results (``backward_reads_results``). Compared by identity: one object per merge.
+    merge's results (``backward_reads_results``). ``layouts``: each operand field's layout
+    (:data:`VALUES`, :data:`STACKED`, ...). Compared by identity: one object per merge.
     """
 
     __slots__ = (
-        "allocates", "backward", "backward_inputs", "backward_reads_results", "function", "gradients", "name",
-        "names", "options", "ragged", "required", "results", "returns", "signature",
+        "allocates", "backward", "backward_inputs", "backward_reads_results", "function", "gradients", "layouts",
+        "name", "names", "options", "ragged", "required", "results", "returns", "signature",
     )  # fmt: skip
 
     def __init__(
@@ -87,6 +125,7 @@ class Operation:
         else:
             inputs = ("v", "s")
         self.required = frozenset(inputs + (("indptr",) if ragged else ()) + (() if allocates else ("out",)))
+        self.layouts = _layouts(names, ragged)
 
     @property
     def many(self) -> bool:

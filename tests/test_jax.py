@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 import cupy_merge as cm
 import cupy_merge.jax as cmj
-from cupy_merge import _dispatch, _jax_entry, _jax_launch, _jax_transforms, _kernels, _tuning, reference
+from cupy_merge import _dispatch, _jax_batching, _jax_entry, _jax_launch, _kernels, _tuning, reference
 from cupy_merge._operands import BackwardOperands, TwoStateOperands, TwoStateOptions
 from cupy_merge._ops import MERGE_STATE
 
@@ -1131,7 +1131,7 @@ def test_the_benchmark_and_the_example_say_why_they_skip_without_a_cuda_jax():
     assert done.returncode == 0 and "no CUDA device" in done.stdout, done.stdout + done.stderr
 
 
-def test_the_ragged_vmap_rule_gives_a_token_of_offsets_out_of_range_an_empty_merged_lse(monkeypatch):
+def test_the_ragged_vmap_rule_gives_a_token_of_offsets_out_of_range_an_empty_merged_lse():
     """Folded under vmap, a token of offsets out of range looks in range (its offsets clipped) and
     its rows are handed over with empty LSEs; its merged LSE, NaN from the merge, must be empty
     too, or the kernel that reads it would give those rows NaN gradients instead of zeros."""
@@ -1147,7 +1147,6 @@ def test_the_ragged_vmap_rule_gives_a_token_of_offsets_out_of_range_an_empty_mer
 
         return gradients
 
-    monkeypatch.setattr(_jax_transforms, "_backward_batched", backward_of)
     fields = ("v", "s", "indptr", "grad_out", "grad_lse", "merged", "merged_lse")
     layouts = ("", "ht", "", "", "ht", "", "ht")
     cfg = _jax_launch._Config(MERGE_STATES_VARLEN_BACKWARD, cm._options.backward_options(), _tuning.DEFAULT, fields, layouts)
@@ -1156,7 +1155,7 @@ def test_the_ragged_vmap_rule_gives_a_token_of_offsets_out_of_range_an_empty_mer
     args = (jnp.ones((batch, rows, heads, head_size)), jnp.ones((batch, heads, rows)), indptr,
             jnp.ones((batch, tokens, heads, head_size)), jnp.ones((batch, heads, tokens)),
             jnp.ones((batch, tokens, heads, head_size)), merged_lse)  # fmt: skip
-    _jax_transforms._rule_varlen_backward(cfg, batch, [True] * len(fields), *args)
+    _jax_batching.rule(backward_of, cfg, batch, [True] * len(fields), *args)
     lse = np.asarray(folded["merged_lse"])  # token-major, a padded token a batch element: [B * (T + 1), H]
     assert lse.shape == (batch * (tokens + 1), heads) and not np.isnan(lse).any()
     assert (lse[tokens + 1 + 2] == -np.inf).all()  # batch element 1, token 2
