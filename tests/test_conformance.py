@@ -3,7 +3,8 @@
 torch.compile (aot_eager) and torch.export over CPU tensors, with the float64 reference registered as the ops'
 CPU kernels (test_torch_ops.py's stand-in), and the JAX merges eagerly, under jit, vmap and
 grad on JAX's CPU device, with the kernels' launch replaced by the NumPy stand-in of
-test_jax.py: every declaration, sinks or none, base e or 2, FP8 where taken, against the float64
+test_jax.py (vmap with each operand batched or shared, at axis 1, nested, lax.scan, vmap of the
+VJP): every declaration, sinks or none, base e or 2, FP8 where taken, against the float64
 reference. They check what the integrations derive from the declarations (arguments, options,
 layouts, results and gradients passed through), not the kernels: those are the GPU matrix's.
 """
@@ -17,17 +18,18 @@ pytest.importorskip("torch")
 pytest.importorskip("jax")
 pytest.importorskip("jax.experimental.buffer_callback")
 
-from test_gpu_conformance import run_forward, run_gradients
+from test_gpu_conformance import JAX_BATCH_WAYS, run_forward, run_gradients
 from test_jax import numpy_kernels  # noqa: F401 - the fixture
 from test_torch_ops import _cpu_library, cpu_kernels  # noqa: F401 - the fixtures
 
 
-@pytest.mark.parametrize("cell", cases(["torch.compile", "torch.export", "jax", "jax.jit", "jax.vmap"]), ids=case_id)
+@pytest.mark.parametrize("cell", cases(["torch.compile", "torch.export", "jax", "jax.jit", *JAX_BATCH_WAYS]), ids=case_id)
 def test_every_merge_through_the_integrations_follows_the_reference(cpu_kernels, numpy_kernels, rng, cell):  # noqa: F811
     run_forward(cell, rng, device="cpu")
 
 
-@pytest.mark.parametrize("cell", cases(["torch.autograd compiled", "jax.grad"], differentiable=True), ids=case_id)
+@pytest.mark.parametrize("cell", cases(["torch.autograd compiled", "jax.grad", "jax.vmap grad"], differentiable=True),
+                         ids=case_id)  # fmt: skip
 def test_every_differentiable_merge_through_the_integrations_gives_the_reference_gradients(
     cpu_kernels, numpy_kernels, rng, cell  # noqa: F811
 ):

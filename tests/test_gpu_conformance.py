@@ -3,6 +3,8 @@ each against the float64 reference (cells generated from the declarations: tests
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from conformance import (
@@ -20,11 +22,18 @@ from conformance import (
 )
 
 import cupy_merge as cm
+from cupy_merge import _ops
 
 pytestmark = pytest.mark.gpu
 
-FORWARD_WAYS = ["cupy", "torch", "bind", "torch.compile", "torch.export", "jax", "jax.jit", "jax.vmap"]
-GRADIENT_WAYS = ["torch.autograd", "torch.autograd compiled", "jax.grad"]
+#: The JAX ways over a batch of draws: vmap (each operand batched, then each in turn flipped:
+#: shared by the batch, or the sinks and scale one a batch element), vmap at axis 1, nested vmap,
+#: lax.scan; for gradients, vmap of the VJP with each operand flipped in turn.
+JAX_BATCH_WAYS = ["jax.vmap", "jax.vmap each", "jax.vmap axis 1", "jax.vmap nested", "jax.scan"]
+FORWARD_WAYS = ["cupy", "torch", "bind", "torch.compile", "torch.export", "jax", "jax.jit", *JAX_BATCH_WAYS]
+GRADIENT_WAYS = ["torch.autograd", "torch.autograd compiled", "jax.grad", "jax.vmap grad"]
+#: Operands a batch shares unless a pattern gives them one a batch element.
+SHARED_BY_DEFAULT = ("sinks", "output_scale")
 
 
 # -- array kinds -------------------------------------------------------------------------------------------
@@ -102,6 +111,77 @@ def _jax_host(x):
     return np.asarray(jnp.asarray(x).astype(jnp.float32)).astype(np.float64)
 
 
+def _batch_patterns(operation, variant, arrays, way: str) -> list[frozenset]:
+    """Which array arguments are batched: all but the sinks and scale, and with ``each`` that
+    pattern with each argument in turn flipped."""
+    _, kwargs = _jax_call(operation, variant, arrays)
+    names = [name for name, value in kwargs.items() if hasattr(value, "shape")]
+    default = frozenset(name for name in names if name not in SHARED_BY_DEFAULT)
+    return [default ^ {name} for name in names] if way.endswith("each") else [default]
+
+
+#: The token axis of each layout that has one.
+_TOKEN_AXIS = {_ops.STACKED: 1, _ops.STACKED_LSE: 2, _ops.TOKENS: 0, _ops.LSE: 1}
+
+
+def _geometries(operation) -> list:
+    """Functions of a draw: itself and, where the operation stacks its states (whose batch folds
+    for free only with one token or one state), its one-token and one-state slices."""
+    layouts = {**(operation.backward.layouts if operation.backward else {}), **operation.layouts}
+
+    def one_token(arrays):
+        return {f: x.take([0], _TOKEN_AXIS[layouts[f]]) if layouts[f] in _TOKEN_AXIS else x for f, x in arrays.items()}
+
+    def one_state(arrays):
+        return {f: x[:1] if layouts[f] in (_ops.STACKED, _ops.STACKED_LSE) else x for f, x in arrays.items()}
+
+    return [lambda arrays: arrays] + ([one_token, one_state] if _ops.STACKED in layouts.values() else [])
+
+
+def _draws(geometry, first: dict, fresh, size: int, batched: frozenset, names: dict) -> list[dict]:
+    """``first`` and ``size - 1`` draws from ``fresh()``, in ``geometry``, the operands not batched shared."""
+    first = geometry(first)
+    draws = [first]
+    for _ in range(size - 1):
+        draw = geometry(fresh())
+        draws.append({field: draw[field] if names[field] in batched else x for field, x in first.items()})
+    return draws
+
+
+def _run_jax_batched(operation, variant, arrays, rng, way):
+    """A forward cell over a batch of draws (``JAX_BATCH_WAYS``), each element against its reference."""
+    import jax
+    import jax.numpy as jnp
+
+    names = {field: getattr(operation.names, field) for field in arrays}
+    for geometry, batched in itertools.product(_geometries(operation), _batch_patterns(operation, variant, arrays, way)):
+        function, kwargs = _jax_call(operation, variant, geometry(arrays))
+        size = 4 if way == "jax.vmap nested" else 2
+        draws = _draws(geometry, arrays, lambda: inputs(operation, variant, rng), size, batched, names)
+        calls = [_jax_call(operation, variant, draw)[1] for draw in draws]
+        static = {name: value for name, value in kwargs.items() if name not in batched}
+        axis = 1 if way == "jax.vmap axis 1" else 0
+        stacked = {name: jnp.stack([call[name] for call in calls], axis=axis) for name in batched}
+
+        def merge(xs, function=function, static=static):
+            return function(**xs, **static)
+
+        if way == "jax.vmap nested":
+            nested = {name: x.reshape(2, 2, *x.shape[1:]) for name, x in stacked.items()}
+            results = [r.reshape(4, *r.shape[2:]) for r in jax.vmap(jax.vmap(merge))(nested)]
+        elif way == "jax.scan":
+            results = jax.lax.scan(lambda carry, xs: (carry, merge(xs)), None, stacked)[1]
+        else:
+            results = jax.vmap(merge, in_axes=axis)(stacked)
+        for element, draw in enumerate(draws):
+            what = f"batched {sorted(batched)}, element {element}, shapes {[x.shape for x in draw.values()]}"
+            try:
+                expect_merged(_jax_host(results[0][element]), _jax_host(results[1][element]),
+                              reference_merge(operation, variant, draw), variant)  # fmt: skip
+            except AssertionError as error:
+                raise AssertionError(f"{what}: {error}") from None
+
+
 # -- the forward matrix ----------------------------------------------------------------------------------
 
 
@@ -165,17 +245,8 @@ def run_forward(cell, rng, device="cuda"):
             static = {name: value for name, value in kwargs.items() if not hasattr(value, "shape")}
             arrays_given = {name: value for name, value in kwargs.items() if hasattr(value, "shape")}
             got = jax.jit(lambda given: function(**given, **static))(arrays_given)
-        else:  # jax.vmap over a batch of two: this draw and another, the sinks and scale shared
-            other = dict(inputs(operation, variant, rng), **{f: arrays[f] for f in ("sinks",) if f in arrays})
-            _, other_kwargs = _jax_call(operation, variant, other)
-            batched = [name for name in kwargs if name not in ("sinks", "output_scale") and hasattr(kwargs[name], "shape")]
-            static = {name: value for name, value in kwargs.items() if name not in batched}
-            stacked = [jax.numpy.stack([kwargs[name], other_kwargs[name]]) for name in batched]
-            results = jax.vmap(lambda *xs: function(**dict(zip(batched, xs)), **static))(*stacked)
-            for element, draw in enumerate((arrays, other)):
-                expect_merged(_jax_host(results[0][element]), _jax_host(results[1][element]),
-                              reference_merge(operation, variant, draw), variant)  # fmt: skip
-            return
+        else:
+            return _run_jax_batched(operation, variant, arrays, rng, way)
         got = (_jax_host(got[0]), _jax_host(got[1]))
     expect_merged(*got, want, variant)
 
@@ -217,6 +288,8 @@ def run_gradients(cell, rng, device="cuda"):
 
         import cupy_merge.jax as cmj
 
+        if way == "jax.vmap grad":
+            return _run_jax_vmapped_gradients(operation, variant, dict(arrays, grad_out=grad_out, grad_lse=grad_lse), rng)
         given = {field: jnp.asarray(x) for field, x in arrays.items()}
         fixed = {getattr(names, f): given[f] for f in given if f not in differentiable}
         if takes(operation, "check_indptr"):
@@ -235,3 +308,43 @@ def run_gradients(cell, rng, device="cuda"):
     assert set(got) == set(want)
     for field in differentiable:
         expect_close(got[field], want[field], 1e-5, f"gradient of {field}")
+
+
+def _run_jax_vmapped_gradients(operation, variant, arrays, rng):
+    """vmap of the VJP over a batch of two draws (operands and cotangents), every operand batched
+    but the sinks, then each in turn flipped; each element's gradients against its reference."""
+    import jax
+    import jax.numpy as jnp
+
+    import cupy_merge.jax as cmj
+
+    names = operation.names
+    differentiable = [field for field in operation.gradients if field in arrays]
+    fields = list(arrays)
+    fixed = {"check_indptr": False} if takes(operation, "check_indptr") else {}
+    function = getattr(cmj, operation.name)
+
+    def element(*xs):
+        given = dict(zip(fields, xs))
+        held = {getattr(names, f): given[f] for f in fields if f not in differentiable and not f.startswith("grad_")}
+
+        def merge(*primals):
+            kwargs = {getattr(names, f): x for f, x in zip(differentiable, primals)}
+            return function(**kwargs, **held, **fixed, lse_base=variant.lse_base)
+
+        return jax.vjp(merge, *(given[f] for f in differentiable))[1]((given["grad_out"], given["grad_lse"]))
+
+    def fresh():
+        return dict(inputs(operation, variant, rng), grad_out=rng.standard_normal(arrays["grad_out"].shape).astype(np.float32),
+                    grad_lse=rng.standard_normal(arrays["grad_lse"].shape).astype(np.float32))  # fmt: skip
+
+    default = frozenset(field for field in fields if field not in SHARED_BY_DEFAULT)
+    for geometry, batched in itertools.product(_geometries(operation), [default ^ {field} for field in fields]):
+        draws = _draws(geometry, arrays, fresh, 2, batched, {field: field for field in fields})
+        args = [jnp.stack([draw[f] for draw in draws]) if f in batched else jnp.asarray(draws[0][f]) for f in fields]
+        grads = jax.jit(jax.vmap(element, in_axes=[0 if f in batched else None for f in fields]))(*args)
+        for index, draw in enumerate(draws):
+            want = reference_gradients(operation, variant, draw, draw["grad_out"], draw["grad_lse"])
+            for field, grad in zip(differentiable, grads):
+                expect_close(np.asarray(grad[index], np.float64), want[field], 1e-5,
+                             f"gradient of {field}, batched {sorted(batched)}, element {index}, shapes {[x.shape for x in draw.values()]}")  # fmt: skip
