@@ -60,6 +60,32 @@ def cases(ways: list[str], differentiable: bool = False) -> list[tuple[_ops.Oper
     return cells
 
 
+class Refusal(NamedTuple):
+    """Cells that cannot work: refused before anything runs, with an error whose message has ``words``."""
+
+    ways: tuple[str, ...]
+    applies: Any  # (operation, variant) -> bool
+    words: str  # a regular expression
+    why: str
+
+
+#: Every refused cell, by rule (docs/api.rst lists them): the matrix checks each one is refused.
+REFUSED = (
+    Refusal(("torch.autograd", "torch.autograd compiled"), lambda operation, variant: not operation.returns,
+            "differentia", "a merge that writes into its arguments has no torch gradient (its JAX form "
+            "returns new arrays, and the functional merges are differentiable)"),
+    Refusal(("torch.autograd", "torch.autograd compiled", "jax.grad"), lambda operation, variant: variant.fp8,
+            r"FP8 \(float8_e4m3fn\) output is not differentiable",
+            "an FP8 output has no gradient: rounding to FP8 is a step function"),
+)  # fmt: skip
+
+
+def refused_cases(ways: list[str]) -> list[tuple[_ops.Operation, Variant, str]]:
+    """Every (operation, variant, way) cell a rule of :data:`REFUSED` refuses."""
+    return [(operation, variant, way) for operation in FORWARD for variant in variants(operation) for way in ways
+            if any(way in rule.ways and rule.applies(operation, variant) for rule in REFUSED)]  # fmt: skip
+
+
 def case_id(cell: tuple) -> str:
     operation, variant, way = cell
     return f"{operation.name}-{variant.id}-{way}"

@@ -12,13 +12,13 @@ layouts, results and gradients passed through), not the kernels: those are the G
 from __future__ import annotations
 
 import pytest
-from conformance import case_id, cases
+from conformance import case_id, cases, refused_cases
 
 pytest.importorskip("torch")
 pytest.importorskip("jax")
 pytest.importorskip("jax.experimental.buffer_callback")
 
-from test_gpu_conformance import JAX_BATCH_WAYS, run_forward, run_gradients
+from test_gpu_conformance import JAX_BATCH_WAYS, run_forward, run_gradients, run_refused
 from test_jax import numpy_kernels  # noqa: F401 - the fixture
 from test_torch_ops import _cpu_library, cpu_kernels  # noqa: F401 - the fixtures
 
@@ -34,3 +34,8 @@ def test_every_differentiable_merge_through_the_integrations_gives_the_reference
     cpu_kernels, numpy_kernels, rng, cell  # noqa: F811
 ):
     run_gradients(cell, rng, device="cpu")
+
+
+@pytest.mark.parametrize("cell", refused_cases(["torch.autograd compiled", "jax.grad"]), ids=case_id)
+def test_every_refused_cell_is_refused_with_a_clear_error(cpu_kernels, numpy_kernels, rng, cell):  # noqa: F811
+    run_refused(cell, rng, device="cpu")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conformance import (
     FP8,
+    REFUSED,
     SCALE,
     case_id,
     cases,
@@ -18,6 +19,7 @@ from conformance import (
     public_arguments,
     reference_gradients,
     reference_merge,
+    refused_cases,
     takes,
 )
 
@@ -215,6 +217,47 @@ def test_every_merge_every_way_follows_the_reference(rng, cell):
 @pytest.mark.parametrize("cell", cases(GRADIENT_WAYS, differentiable=True), ids=case_id)
 def test_every_differentiable_merge_every_way_gives_the_reference_gradients(rng, cell):
     run_gradients(cell, rng)
+
+
+@pytest.mark.parametrize("cell", refused_cases(GRADIENT_WAYS), ids=case_id)
+def test_every_refused_cell_is_refused_with_a_clear_error(rng, cell):
+    run_refused(cell, rng)
+
+
+def run_refused(cell, rng, device="cuda"):
+    """A gradient cell that cannot work (``REFUSED``): differentiating it raises before anything is
+    written, with a message that says why."""
+    operation, variant, way = cell
+    arrays = inputs(operation, variant, rng)
+    words = "|".join(rule.words for rule in REFUSED if way in rule.ways and rule.applies(operation, variant))
+    if way.startswith("torch"):
+        torch = pytest.importorskip("torch")
+        make, nan_like, _ = _torch_kind(device)
+        kwargs, _ = public_arguments(operation, variant, arrays, lambda x: make(x).requires_grad_(x.dtype != np.int32),
+                                     nan_like, make(np.array([SCALE], np.float32)))  # fmt: skip
+        merge = operation.function
+        if way.endswith("compiled"):
+            torch._dynamo.reset()
+            compiled = torch.compile(lambda kw: operation.function(**kw), fullgraph=True,
+                                     backend="inductor" if device == "cuda" else "aot_eager")  # fmt: skip
+
+            def merge(**kw):
+                return compiled(kw)
+
+        with pytest.raises(Exception, match=words):
+            merge(**kwargs)
+    else:
+        jax = pytest.importorskip("jax")
+        if device == "cuda" and jax.devices()[0].platform != "gpu":
+            pytest.skip("JAX has no CUDA device here")
+        function, kwargs = _jax_call(operation, variant, arrays)
+        primal = next(name for name, value in kwargs.items() if hasattr(value, "shape") and value.dtype != np.int32)
+
+        def loss(x):
+            return function(**dict(kwargs, **{primal: x}))[1].sum()
+
+        with pytest.raises(Exception, match=words):
+            jax.grad(loss)(kwargs[primal])
 
 
 def run_forward(cell, rng, device="cuda"):
