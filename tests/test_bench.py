@@ -27,6 +27,19 @@ from cupy_merge.tools.bench_cases import (
     select,
     traffic_bytes,
 )
+from cupy_merge.tools.bench_report import (
+    COLUMNS,
+    HOST_COLUMNS,
+    _time,
+    cuda_version_string,
+    environment_line,
+    finish_row,
+    format_table,
+    overhead_pct,
+    plot,
+    write_results,
+)
+from cupy_merge.tools.bench_runners import RUNNERS
 
 
 @pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
@@ -38,7 +51,7 @@ def test_the_case_list_covers_every_family_and_names_each_case_once(quick):
     assert host_cases(quick) and all(
         case.family == "two-way" and case.tokens <= 64 for case in host_cases(quick)
     )
-    assert set(bench.RUNNERS) == set(FAMILIES)
+    assert set(RUNNERS) == set(FAMILIES)
 
 
 def test_quick_is_a_few_cases_and_the_full_list_has_the_new_ones():
@@ -134,7 +147,7 @@ def test_select_keeps_the_order():
 
 
 def test_finish_row_derives_the_ratios():
-    row = bench.finish_row(
+    row = finish_row(
         {"family": "two-way", "case": "x", "mbytes": 10.0, "merge_us": 5.0, "copy_us": 4.0,
          "flashinfer_us": 6.0, "cm_fi_layout_us": 4.8}
     )  # fmt: skip
@@ -142,29 +155,29 @@ def test_finish_row_derives_the_ratios():
     assert row["gbps"] == pytest.approx(10e6 / 5.0 / 1e3)  # 2000 GB/s
     assert row["fi_over_cm"] == pytest.approx(6.0 / 4.8)  # against the better of ours
     assert "overhead_pct" not in row
-    sinks = bench.finish_row({"mbytes": 1.0, "merge_us": 10.3, "copy_us": 9.0, "baseline_us": 10.0})
+    sinks = finish_row({"mbytes": 1.0, "merge_us": 10.3, "copy_us": 9.0, "baseline_us": 10.0})
     assert sinks["overhead_pct"] == pytest.approx(3.0)
     assert "fi_over_cm" not in sinks
-    failed = bench.finish_row({"family": "n-way", "case": "y", "mbytes": 1.0})
+    failed = finish_row({"family": "n-way", "case": "y", "mbytes": 1.0})
     assert "pct_of_copy" not in failed and "gbps" not in failed
 
 
 def test_overhead_pct():
-    assert bench.overhead_pct(103.0, 100.0) == pytest.approx(3.0)
-    assert bench.overhead_pct(99.0, 100.0) == pytest.approx(-1.0)
+    assert overhead_pct(103.0, 100.0) == pytest.approx(3.0)
+    assert overhead_pct(99.0, 100.0) == pytest.approx(-1.0)
 
 
 def test_the_table_has_a_header_one_line_a_row_and_dashes_for_what_is_missing():
     rows = [
-        bench.finish_row({"family": "two-way", "case": "T=1 H=32 D=128 bf16", "mbytes": 0.025,
-                          "merge_us": 2.5, "copy_us": 2.4, "torch_us": 20.0}),
-        bench.finish_row({"family": "ragged-bwd", "case": "T=64 S~8 R=523 H=32 D=128 bf16", "mbytes": 9.2,
-                          "merge_us": 4.0, "copy_us": 3.8, "compiled_us": math.nan}),
+        finish_row({"family": "two-way", "case": "T=1 H=32 D=128 bf16", "mbytes": 0.025,
+                    "merge_us": 2.5, "copy_us": 2.4, "torch_us": 20.0}),
+        finish_row({"family": "ragged-bwd", "case": "T=64 S~8 R=523 H=32 D=128 bf16", "mbytes": 9.2,
+                    "merge_us": 4.0, "copy_us": 3.8, "compiled_us": math.nan}),
     ]  # fmt: skip
-    lines = bench.format_table(rows).splitlines()
+    lines = format_table(rows).splitlines()
     assert len(lines) == 1 + len(rows)
     header = lines[0].split()
-    assert header == [name for name, _ in bench.COLUMNS]
+    assert header == [name for name, _ in COLUMNS]
     for name in (
         "family",
         "case",
@@ -195,24 +208,24 @@ def test_the_table_has_a_header_one_line_a_row_and_dashes_for_what_is_missing():
 def test_the_columns_line_up():
     rows = [{"family": "n-way", "case": "a", "mbytes": 1.0, "merge_us": 1234.5},
             {"family": "two-way+sinks", "case": "longer case", "mbytes": 100.0, "merge_us": 1.0}]  # fmt: skip
-    lines = bench.format_table(rows, [("family", str), ("case", str), ("merge_us", bench._time)]).splitlines()
+    lines = format_table(rows, [("family", str), ("case", str), ("merge_us", _time)]).splitlines()
     assert {len(line) for line in lines} == {len(lines[0])}  # numbers right-aligned to the header's end
     assert lines[1].endswith("1234") and lines[2].endswith("1.00")
 
 
 def test_the_host_table_is_its_own():
-    lines = bench.format_table(
-        [{"case": "T=1 H=32 D=128 bf16", "host_cupy_us": 9.5}], bench.HOST_COLUMNS
+    lines = format_table(
+        [{"case": "T=1 H=32 D=128 bf16", "host_cupy_us": 9.5}], HOST_COLUMNS
     ).splitlines()
-    assert lines[0].split() == [name for name, _ in bench.HOST_COLUMNS]
+    assert lines[0].split() == [name for name, _ in HOST_COLUMNS]
     assert lines[1].split()[4:6] == ["9.50", "-"]
 
 
 def test_environment_line_and_versions():
-    assert bench.cuda_version_string(12080) == "12.8" and bench.cuda_version_string(13000) == "13.0"
+    assert cuda_version_string(12080) == "12.8" and cuda_version_string(13000) == "13.0"
     env = {"date": "2026-12-02 10:00", "gpu": "NVIDIA H200 (sm_90)", "driver": "580.159.04 (CUDA 13.0)",
            "cuda_runtime": "13.0", "cupy": "14.2.0", "torch": "2.11.0", "cupy_merge": "0.4.0"}  # fmt: skip
-    line = bench.environment_line(env)
+    line = environment_line(env)
     assert "\n" not in line
     for value in env.values():
         assert value in line
@@ -337,20 +350,20 @@ def test_bad_arguments_exit_with_status_2(capsys):
 
 def _rows():
     return [
-        bench.finish_row({"family": "two-way", "case": "T=1 H=32 D=128 bf16", "mbytes": 0.025,
-                          "merge_us": 2.5, "copy_us": 2.4, "flashinfer_us": 2.7, "cm_fi_layout_us": 2.6}),
-        bench.finish_row({"family": "n-way+sinks", "case": "T=1 S=1024 H=32 D=128 bf16", "mbytes": 8.5,
-                          "merge_us": 5.0, "copy_us": 4.5, "baseline_us": 4.9}),
+        finish_row({"family": "two-way", "case": "T=1 H=32 D=128 bf16", "mbytes": 0.025,
+                    "merge_us": 2.5, "copy_us": 2.4, "flashinfer_us": 2.7, "cm_fi_layout_us": 2.6}),
+        finish_row({"family": "n-way+sinks", "case": "T=1 S=1024 H=32 D=128 bf16", "mbytes": 8.5,
+                    "merge_us": 5.0, "copy_us": 4.5, "baseline_us": 4.9}),
     ]  # fmt: skip
 
 
 def test_results_files(tmp_path):
     rows, host = _rows(), [{"case": "T=1 H=32 D=128 bf16", "host_cupy_us": 9.5}]
     env = {"gpu": "x"}
-    bench.write_results(rows, host, env, str(tmp_path / "r.json"))
+    write_results(rows, host, env, str(tmp_path / "r.json"))
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["environment"] == env and data["rows"] == rows and data["host"] == host
-    bench.write_results(rows, host, env, str(tmp_path / "r.csv"))
+    write_results(rows, host, env, str(tmp_path / "r.csv"))
     with open(tmp_path / "r.csv") as f:
         read = list(csv.DictReader(f))
     assert [r["table"] for r in read] == ["merge", "merge", "host"]
@@ -363,5 +376,5 @@ def test_results_files(tmp_path):
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "bench.png"
-    assert bench.plot(_rows(), {"gpu": "x", "date": "today"}, str(path))
+    assert plot(_rows(), {"gpu": "x", "date": "today"}, str(path))
     assert path.stat().st_size > 0
