@@ -27,20 +27,28 @@ imported before ``cupy_merge``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
-from . import _arrays, _dispatch, _ops, _options, _tuning
+from . import _arrays, _dispatch, _ops, _tuning
 from . import backward as _backward  # noqa: F401 - these attach the public functions to the declarations
 from . import merge as _merge  # noqa: F401
 from . import merge_many as _merge_many  # noqa: F401
-from ._catalogue import FP8
-from ._operands import WRITTEN, BackwardOperands, ManyStateOptions, TwoStateOptions
+from ._operands import WRITTEN, BackwardOperands
+from ._torch_autograd import (
+    function_arguments,
+    make_functions,
+    refuse_traced_grad,
+    refuse_undifferentiable,
+    refuse_writes_under_grad,
+    refuse_written_grad,
+    requires_grad,
+    writes_refused,
+)
 
 __all__ = ["NAMESPACE", "SCHEMAS", "ops"]
 
@@ -225,7 +233,7 @@ def _attach() -> None:
         if _LIB is None:
             torch = sys.modules["torch"]
             if not _FUNCTIONS:
-                _FUNCTIONS.update(_make_functions(torch))
+                _FUNCTIONS.update(make_functions(torch, _compiling))
             if _supported(torch):
                 _define(torch)
 
@@ -384,77 +392,11 @@ def _spec(tensor: Any, name: str) -> _arrays.ArraySpec | None:
     return spec._replace(shape=tuple(sizes[: len(spec.shape)]), strides=tuple(sizes[len(spec.shape) :]))
 
 
-def _requires_grad(*tensors: Any) -> bool:
-    for tensor in tensors:
-        if tensor is not None and tensor.requires_grad:
-            return True
-    return False
-
-
-def _writes_refused(operation: _ops.Operation) -> RuntimeError:
-    return RuntimeError(
-        f"{operation.name}: writes into its arguments, so autograd cannot differentiate it; an input "
-        f"requires grad: use merge_state, merge_states or merge_states_varlen (functional), or call it "
-        f"under torch.no_grad()"
-    )
-
-
-def _refuse_writes_under_grad(operation: _ops.Operation, *inputs: Any) -> None:
-    """A form that writes into its arguments refuses inputs that require grad in grad mode (under
-    ``torch.no_grad()`` it runs, as the eager path does)."""
-    if sys.modules["torch"].is_grad_enabled() and _requires_grad(*inputs):
-        raise _writes_refused(operation)
-
-
-def _refuse_written_grad(operation: _ops.Operation, operands: Any) -> None:
-    """In grad mode, a merge into a given tensor that requires grad is refused, as torch's own
-    ``out=`` ops refuse it (under ``torch.no_grad()`` it writes)."""
-    if not sys.modules["torch"].is_grad_enabled():
-        return
-    for field in WRITTEN:
-        tensor = getattr(operands, field, None)
-        if tensor is not None and tensor.requires_grad:
-            name = getattr(operation.names, field)
-            raise RuntimeError(
-                f"{name}: requires grad, and {operation.name} writes into it; a merge into given tensors is not "
-                f"differentiable (as torch's out= ops are not): pass a tensor that does not require grad, "
-                f"leave it out (merge_state, merge_states and merge_states_varlen allocate their outputs), or "
-                f"merge under torch.no_grad()"
-            )
-
-
-def _refuse_traced_grad(operation: _ops.Operation, *inputs: Any) -> None:
-    """A functional op put in differentiated compiled code by hand carries no autograd formula of
-    its own: say so at trace time (the public functions are differentiable, compiled too)."""
-    torch = sys.modules["torch"]
-    if torch.is_grad_enabled() and _requires_grad(*inputs):
-        raise RuntimeError(
-            f"torch.ops.cupy_merge.{operation.name}: the op has no autograd formula inside compiled code; "
-            f"call cupy_merge.{operation.name}(...) instead (differentiable eagerly and under torch.compile)"
-        )
-
-
-def _refuse_undifferentiable(operation: _ops.Operation, options: Any, operands: Any) -> None:
-    given = [name for field, name in (("out", "out="), ("out_lse", "out_lse="),
-                                      ("output_block_scale", "output_block_scale="))
-             if getattr(operands, field) is not None]  # fmt: skip
-    if given:
-        raise RuntimeError(
-            f"{operation.name}: an input requires grad, and a merge into given tensors ({', '.join(given)}) is not "
-            f"differentiable; leave them out (the merge allocates its outputs) or merge under torch.no_grad()"
-        )
-    if options.out_dtype == FP8 or operands.output_scale is not None:
-        raise RuntimeError(
-            f"{operation.name}: an input requires grad, and an FP8 (float8_e4m3fn) output is not differentiable; "
-            f"merge to float32, float16 or bfloat16, or under torch.no_grad()"
-        )
-
-
 def _check(operation: _ops.Operation, options: Any, operands: Any) -> None:
     """Every shape rule of one call (``_dispatch.check_specs``), on the operands' sizes, with the
     eager path's messages. The address rules (overlaps) and the values' rules (``check_indptr``)
     run in the kernel."""
-    _refuse_written_grad(operation, operands)
+    refuse_written_grad(operation, operands)
     names = operation.names
     fields = operands._fields
     specs: dict[str, Any] = {}
@@ -505,9 +447,9 @@ def _fake(op: _TorchOp, *args: Any, **kwargs: Any) -> Any:
     operands, options = _from_arguments(op, args, kwargs)
     operation = op.operation
     if op.form == "in place":
-        _refuse_writes_under_grad(operation, *_read(operands))
+        refuse_writes_under_grad(operation, *_read(operands))
     elif op.form == "functional" and not operation.is_backward:
-        _refuse_traced_grad(operation, *_read(operands))
+        refuse_traced_grad(operation, *_read(operands))
     _check(operation, options, operands)
     if op.form != "functional":
         return None
@@ -537,15 +479,15 @@ def _compiled_call(operation: _ops.Operation, options: Any, operands: Any, strea
         )
     if operation.is_backward:
         return _call_op(torch, _FUNCTIONAL[operation.name], options, operands)
-    _refuse_written_grad(operation, operands)
+    refuse_written_grad(operation, operands)
     inputs = _read(operands)
     if not operation.allocates:
-        _refuse_writes_under_grad(operation, *inputs)
+        refuse_writes_under_grad(operation, *inputs)
         _call_op(torch, _FUNCTIONAL[operation.name], options, operands)
         return None
-    if torch.is_grad_enabled() and _requires_grad(*inputs):
-        _refuse_undifferentiable(operation, options, operands)
-        return _FUNCTIONS[operation.name].apply(*_function_arguments(operation, options, operands))
+    if torch.is_grad_enabled() and requires_grad(*inputs):
+        refuse_undifferentiable(operation, options, operands)
+        return _FUNCTIONS[operation.name].apply(*function_arguments(operation, options, operands))
     if operands.out is None and operands.out_lse is None and operands.output_block_scale is None:
         return _call_op(torch, _FUNCTIONAL[operation.name], options, operands)
     out, out_lse = _merged(torch, operation, options, operands)
@@ -566,83 +508,16 @@ def _autograd_call(operation: _ops.Operation, options: Any, operands: Any, strea
             f"{operation.name}: an input requires grad in grad mode (backward(create_graph=True)?); "
             f"the merges' gradients are not differentiable again"
         )
-    _refuse_written_grad(operation, operands)
+    refuse_written_grad(operation, operands)
     if not operation.returns:
-        raise _writes_refused(operation)
-    _refuse_undifferentiable(operation, options, operands)
-    function, arguments = _FUNCTIONS[operation.name], _function_arguments(operation, options, operands)
+        raise writes_refused(operation)
+    refuse_undifferentiable(operation, options, operands)
+    function, arguments = _FUNCTIONS[operation.name], function_arguments(operation, options, operands)
     if stream is None:
         return function.apply(*arguments)
     # Autograd runs each backward on the stream its forward ran on: make the caller's stream current.
     with _arrays.TORCH.scope(_arrays.stream_pointer(stream), operands[2].device.index):
         return function.apply(*arguments)
-
-
-def _inputs(operation: _ops.Operation) -> tuple[str, ...]:
-    """The operands a differentiable merge's Function takes: those with gradients, then the others
-    its backward reads (a ragged merge's offsets)."""
-    return operation.gradients + tuple(f for f in operation.backward_inputs.values() if f not in operation.gradients)
-
-
-def _function_arguments(operation: _ops.Operation, options: Any, operands: Any) -> tuple:
-    """A Function's arguments: its operands, then the options' fields (constants to Dynamo)."""
-    return (*(getattr(operands, field) for field in _inputs(operation)), *options)
-
-
-def _unit_last(grad: Any) -> Any:
-    """Incoming gradients may be broadcast views (``v.sum()``'s has stride 0); the kernels read a
-    contiguous last dimension."""
-    return grad if grad.shape[-1] <= 1 or grad.stride(-1) == 1 else grad.contiguous()
-
-
-def _dense(grad: Any) -> Any:
-    """An LSE's gradient as a dense array (a broadcast one has zero strides): a few bytes a token."""
-    return grad if grad.is_contiguous() else grad.contiguous()
-
-
-def _make_function(torch: Any, operation: _ops.Operation) -> Any:
-    """The autograd Function of a differentiable merge. Its forward runs the merge (the op while
-    tracing), its backward the merge's backward operation (its op while tracing), from the merge's
-    inputs (and its results, where the backward reads them)."""
-    fields = _inputs(operation)
-    count = len(fields)
-    record = type(operation.names)
-    option_type = ManyStateOptions if operation.many else TwoStateOptions
-    backward = cast(_ops.Operation, operation.backward)
-
-    class Merge(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *args):
-            options = option_type(*args[count:])
-            given = dict(zip(fields, args[:count]))
-            operands = record(*(given.get(field) for field in record._fields))
-            merged, lse = _dispatch.call(operation, options, operands, None)  # grad mode is off in here
-            ctx.save_for_backward(*args[:count], *((merged, lse) if operation.backward_reads_results else ()))
-            ctx.lse_base = "2" if options.lse_base_2 else "e"
-            # Autograd's thread runs the backward outside this context (compiled code: the process's default).
-            ctx.tuning = None if _compiling() else _tuning.current()
-            return merged, lse
-
-        @staticmethod
-        def backward(ctx, grad_v, grad_s):
-            saved = ctx.saved_tensors
-            given = dict(zip(fields, saved[:count]))
-            merged, merged_lse = saved[count:] or (None, None)
-            arrays = {field: given[of] for field, of in operation.backward_inputs.items()}
-            operands = BackwardOperands(None, None, grad_out=_unit_last(grad_v), grad_lse=_dense(grad_s), merged=merged,
-                                        merged_lse=merged_lse, **arrays)  # fmt: skip
-            options = _options.backward_options(lse_base=ctx.lse_base)
-            with contextlib.nullcontext() if ctx.tuning is None else _tuning.use(ctx.tuning):
-                grads = _dispatch.call(backward, options, operands, None)
-            by_field = dict(zip(operation.gradients, grads))
-            return (*(by_field.get(field) for field in fields), *(None,) * len(option_type._fields))
-
-    Merge.__name__ = Merge.__qualname__ = "".join(part.title() for part in operation.name.split("_"))
-    return Merge
-
-
-def _make_functions(torch: Any) -> dict[str, Any]:
-    return {op.name: _make_function(torch, op) for op in _ops.OPERATIONS.values() if op.backward is not None}
 
 
 _dispatch.register_compiler(_compiling, _compiled_call)
