@@ -22,13 +22,21 @@ from test_gpu_conformance import JAX_BATCH_WAYS, run_forward, run_gradients, run
 from test_jax import numpy_kernels  # noqa: F401 - the fixture
 from test_torch_ops import _cpu_library, cpu_kernels  # noqa: F401 - the fixtures
 
+#: The JAX batch ways beyond plain vmap: 90 s on two cores, in CI's exhaustive pass (every one on the GPU).
+HEAVY = {"jax.vmap each", "jax.vmap axis 1", "jax.vmap nested", "jax.scan", "jax.vmap grad"}
 
-@pytest.mark.parametrize("cell", cases(["torch.compile", "torch.export", "jax", "jax.jit", *JAX_BATCH_WAYS]), ids=case_id)
+
+def _cells(ways: list[str], differentiable: bool = False) -> list:
+    return [pytest.param(cell, marks=pytest.mark.exhaustive) if cell[2] in HEAVY else cell
+            for cell in cases(ways, differentiable)]  # fmt: skip
+
+
+@pytest.mark.parametrize("cell", _cells(["torch.compile", "torch.export", "jax", "jax.jit", *JAX_BATCH_WAYS]), ids=case_id)
 def test_every_merge_through_the_integrations_follows_the_reference(cpu_kernels, numpy_kernels, rng, cell):  # noqa: F811
     run_forward(cell, rng, device="cpu")
 
 
-@pytest.mark.parametrize("cell", cases(["torch.autograd compiled", "jax.grad", "jax.vmap grad"], differentiable=True),
+@pytest.mark.parametrize("cell", _cells(["torch.autograd compiled", "jax.grad", "jax.vmap grad"], differentiable=True),
                          ids=case_id)  # fmt: skip
 def test_every_differentiable_merge_through_the_integrations_gives_the_reference_gradients(
     cpu_kernels, numpy_kernels, rng, cell  # noqa: F811
