@@ -1,4 +1,4 @@
-"""Every array rule, in one place; each error names the argument and what was expected.
+"""The array rules; each error names the argument and what was expected.
 
 Options (LSE base, output dtype, the prefill cut, flags) are normalised before
 anything else happens (``_options``), so a bad option never reaches a cache key
@@ -8,11 +8,12 @@ or a launch. Array rules come in two kinds:
   classes): pure functions of :class:`ArraySpec`, so they run at trace time
   on fake tensors and JAX abstract values, and are tested without a GPU;
 * *address rules* (outputs that overlap inputs or each other): functions of
-  :class:`ArrayView`, run where addresses exist (eager calls, ``bind``).
+  :class:`ArrayView`, run where addresses exist (eager calls, ``bind``), in
+  ``_addresses``.
 
 ``check_two`` / ``check_many`` apply every shape rule of one call, inputs
-first, then outputs; ``check_two_addresses`` / ``check_many_addresses`` every
-address rule. The cross-rank merge uses the same rules (``check_rank``).
+first, then outputs; the address rules live in ``_addresses``. The cross-rank
+merge uses the same rules (``check_rank``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from ._arrays import HOST, ArraySpec, ArrayView
+from ._arrays import HOST, ArraySpec
 from ._catalogue import (
     FP8,
     INDEX_32_LIMIT,
@@ -237,72 +238,9 @@ def indptr_values(values: Any, total_states: int, name: str = "indptr") -> None:
         )
 
 
-# -- memory shared between arrays (address rules) -----------------------------------------------
-
-
-def _byte_extent(view: ArrayView) -> tuple[int, int] | None:
-    """[first, last) byte touched by ``view``; ``None`` for an empty array or a fresh output (null)."""
-    if 0 in view.shape or view.ptr == 0:
-        return None
-    low = high = 0
-    for extent, stride in zip(view.shape, view.strides):
-        reach = (extent - 1) * stride
-        if reach < 0:
-            low += reach
-        else:
-            high += reach
-    return view.ptr + low * view.itemsize, view.ptr + (high + 1) * view.itemsize
-
-
-def overlaps(a: ArrayView, b: ArrayView) -> bool:
-    extent_a, extent_b = _byte_extent(a), _byte_extent(b)
-    if extent_a is None or extent_b is None:
-        return False
-    return extent_a[0] < extent_b[1] and extent_b[0] < extent_a[1]
-
-
-def expect_no_partial_overlap(
-    outputs: list[tuple[ArrayView, str]], inputs: list[tuple[ArrayView, str]]
-) -> None:
-    """An output may be exactly an input (in place) but must not partly overlap anything."""
-    for index, (out, out_name) in enumerate(outputs):
-        for other, other_name in inputs + outputs[index + 1 :]:
-            in_place = out == other and (other, other_name) in inputs
-            if not in_place and overlaps(out, other):
-                raise ValueError(
-                    f"{out_name}: overlaps {other_name} in memory without being the very same "
-                    f"array; write in place only into an identical array (same pointer, shape "
-                    f"and strides), or into separate memory"
-                )
-
-
-def expect_separate(outputs: list[tuple[ArrayView, str]], inputs: list[tuple[ArrayView, str]]) -> None:
-    """Outputs that may not alias the inputs at all (or each other)."""
-    for index, (output, output_name) in enumerate(outputs):
-        for view, name in inputs + outputs[index + 1 :]:
-            if overlaps(output, view):
-                raise ValueError(
-                    f"{output_name}: expected memory separate from {name}; the merge reads its "
-                    f"inputs many times and cannot write over them"
-                )
-
-
-def _named(operands: NamedTuple, names: NamedTuple, fields: tuple[str, ...]) -> list[tuple[Any, str]]:
+def named_operands(operands: NamedTuple, names: NamedTuple, fields: tuple[str, ...]) -> list[tuple[Any, str]]:
+    """The (operand, its argument name) pairs of ``fields`` given."""
     return [(getattr(operands, f), getattr(names, f)) for f in fields if getattr(operands, f) is not None]
-
-
-def _scales_apart(views: NamedTuple, names: NamedTuple) -> None:
-    """Neither kind of FP8 scale may share memory with another array of the call: the per-tensor
-    scale is read by every thread while outputs are written, the group scales are written."""
-    for field in ("output_scale", "output_block_scale"):
-        scale = getattr(views, field)
-        if scale is None:
-            continue
-        for other, other_name in _named(views, names, views._fields):
-            if other is not scale and overlaps(scale, other):
-                raise ValueError(
-                    f"{getattr(names, field)}: overlaps {other_name} in memory; the scale needs its own memory"
-                )
 
 
 # -- whole calls --------------------------------------------------------------------------------
@@ -373,14 +311,6 @@ def check_two(specs: TwoStateOperands, names: TwoStateOperands, options: TwoStat
     return state
 
 
-def check_two_addresses(views: TwoStateOperands, names: TwoStateOperands) -> None:
-    """Every address rule of a two-way call: outputs in place or apart, scales apart."""
-    _scales_apart(views, names)
-    inputs = _named(views, names, ("v_a", "s_a", "v_b", "s_b", "mask", "sinks", "output_scale"))
-    outputs = _named(views, names, ("out", "out_lse", "output_block_scale"))
-    expect_no_partial_overlap(outputs, inputs)
-
-
 def check_many_inputs(specs: ManyStateOperands, names: ManyStateOperands) -> tuple[StateShape, int]:
     """Dense (``indptr`` None): ``v`` [states, tokens, heads, head_size], ``s`` [states, heads, tokens].
     Ragged: ``v`` [total_states, heads, head_size], ``s`` [heads, total_states], ``indptr`` [tokens + 1].
@@ -425,15 +355,6 @@ def check_many(
         expect_sinks(specs.sinks, state.num_heads, state.device, names.sinks, names.v)
     check_quantisation(specs, names, options.group_size, state, ("v",))
     return state, num_states
-
-
-def check_many_addresses(views: ManyStateOperands, names: ManyStateOperands) -> None:
-    """Every address rule of an N-way call: the N-way merge reads its inputs many times, so
-    its outputs may not alias them at all; scales apart."""
-    _scales_apart(views, names)
-    inputs = _named(views, names, ("v", "s", "indptr", "sinks", "output_scale"))
-    outputs = _named(views, names, ("out", "out_lse", "output_block_scale"))
-    expect_separate(outputs, inputs)
 
 
 # -- gradients ------------------------------------------------------------------------------------
@@ -573,7 +494,7 @@ def check_quantisation(
                 f"{spec_name} has strides {spec.strides}; copy it into a contiguous array"
             )
     # The group kernels count and offset in 32 bits: every array, and every extent (states too).
-    for spec, spec_name in _named(specs, names, specs._fields):
+    for spec, spec_name in named_operands(specs, names, specs._fields):
         if span(spec) >= INDEX_32_LIMIT or max(spec.shape, default=0) >= INDEX_32_LIMIT:
             raise ValueError(
                 f"{name}: group scales need arrays that span fewer than 2**30 elements; {spec_name} spans more"
@@ -636,10 +557,3 @@ def check_outputs_of_result(out, out_lse, result: StateShape, names: RankOperand
         expect_device(spec, result.device, name, names.v)
         expect_aligned(spec, name)
         expect_no_self_overlap(spec, name)
-
-
-def check_rank_addresses(views: RankOperands, names: RankOperands) -> None:
-    """The outputs may not alias the inputs or each other (collectives read and write around them)."""
-    inputs = [(getattr(views, f), getattr(names, f)) for f in ("v", "s", "sinks") if getattr(views, f) is not None]
-    outputs = [(getattr(views, f), getattr(names, f)) for f in ("out", "out_lse") if getattr(views, f) is not None]
-    expect_separate(outputs, inputs)

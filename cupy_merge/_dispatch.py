@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
-from . import _arrays, _checks, _kernels, _plan, _plan_backward, _tuning
+from . import _addresses, _arrays, _checks, _kernels, _plan, _plan_backward, _tuning
 from ._arrays import ArraySpec, ArrayView
 from ._catalogue import ITEMSIZES
 from ._operands import (
@@ -196,9 +196,9 @@ def prepare(operation: Operation, options: Options, operands: Operands, tuning: 
     described = type(operands)(**{field: views.get(field) for field in fields})
     planned = plan_for(operation, options, tuning, described)
     if isinstance(described, TwoStateOperands):
-        _checks.check_two_addresses(described, names)  # type: ignore[arg-type]
+        _addresses.check_two_addresses(described, names)  # type: ignore[arg-type]
     elif isinstance(described, ManyStateOperands):
-        _checks.check_many_addresses(described, names)  # type: ignore[arg-type]
+        _addresses.check_many_addresses(described, names)  # type: ignore[arg-type]
     # A gradient's outputs are always its own fresh arrays: no address rule applies.
     addresses = {field: view.ptr for field, view in views.items()}
     device = planned.state.device

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from cupy_merge import _addresses, _dispatch, _tuning
 from cupy_merge import _catalogue as cat
-from cupy_merge import _checks, _dispatch, _tuning
 from cupy_merge._arrays import ArrayView
 
 ITEMSIZE = {"bfloat16": 2, "bool": 1, "float8_e4m3fn": 1}
@@ -71,9 +71,9 @@ def plan_checked(operation: _dispatch.Operation, options, views, tuning: _tuning
     for launch in planned.plan:  # every kernel a plan chooses is compiled in its module
         assert launch.kernel in cat.module_instances(launch.module), launch.kernel
     if operation.many:
-        _checks.check_many_addresses(views, operation.names)
+        _addresses.check_many_addresses(views, operation.names)
     else:
-        _checks.check_two_addresses(views, operation.names)
+        _addresses.check_two_addresses(views, operation.names)
     return planned
 
 

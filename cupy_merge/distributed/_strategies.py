@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .. import _arrays, _checks, _dispatch, _kernels, _options, _tuning
+from .. import _addresses, _arrays, _checks, _dispatch, _kernels, _options, _tuning
 from .._arrays import HOST, ArrayView
 from .._checks import RANK_NAMES, StateShape
 from .._operands import RankOperands
@@ -80,7 +80,7 @@ def resolve(
     stream_ptr = _stream(stream, device)
     comm = TorchGroup(group) if adapter is _arrays.TORCH else CupyNccl(group, None)
     state, heads = _checks.check_rank(specs, RANK_NAMES, comm.world_size, shard_heads)
-    _checks.check_rank_addresses(RankOperands(**{f: views.get(f) for f in arrays._fields}), RANK_NAMES)
+    _addresses.check_rank_addresses(RankOperands(**{f: views.get(f) for f in arrays._fields}), RANK_NAMES)
     if adapter is _arrays.TORCH:
         _refuse_grad(arrays, bound)
     if op == "auto" and _tuning.current().batch_invariant:
