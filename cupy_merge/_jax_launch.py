@@ -106,7 +106,6 @@ def natural_orders(operation: _dispatch.Operation, fields: tuple[str, ...]) -> t
     return tuple(_NATURAL.get(operation.layouts[field], "") for field in fields)
 
 
-
 class _Config(NamedTuple):
     """Everything static about one merge: the operation, its options and tuning, which operands
     are passed (in that order) and in which layout, and what the outputs alias."""

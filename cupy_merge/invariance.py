@@ -5,7 +5,7 @@ float32 sums of the same terms in another order differ in their last bits. By de
 planner picks that order for speed from the whole batch (how many groups of threads split a
 row's states follows how many rows there are), so a token merged alone and the same token
 merged among thousands may differ by an ulp. In batch-invariant mode the order of a row
-depends on the row alone: an N-way row of ``n`` states is folded by ``min(128, ceil(n / 16))``
+depends on the row alone: an N-way row of ``n`` states is folded by ``min(64, ceil(n / 16))``
 groups of threads (fewer for FP8 group scales: a block holds whole groups) whose partials meet
 in one fixed tree, whichever kernel, block shape or batch size the planner chooses; a ragged
 row by one; a gradient's sums over a row's packs and states follow the row's shape and the
