@@ -2,8 +2,8 @@
 
 Every N-way kernel shape (packed and strided: split rows of one token, many states of few rows
 combined as a tree, no split, odd head sizes, ragged rows with an empty one), group-scaled FP8 over split rows and the
-in-place two-way merge, the gradients, and batch-invariant plans (up to 64 splits a row), each checked against the
-float64 reference. Exit status 1 on a wrong result.
+in-place two-way merge, the gradients, batch-invariant plans (up to 64 splits a row) and NVFP4 outputs, each checked
+against the float64 reference. Exit status 1 on a wrong result.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 .ci/sanitize_cases.py
 """
@@ -258,6 +258,45 @@ with _tuning.use(invariant):
     want = reference.merge_states_backward(v, s, grad, sinks=sinks.get()[:4])
     for index, what in enumerate(("", " (LSE)", " (sinks)")):
         check(f"invariant backward given results{what}", got[index], want[index], 1e-5)
+
+
+# NVFP4: split rows (group barriers after the split combine), ragged rows with an empty one, the
+# swizzled scales' padding over 130 tokens (rows to 256, 3 blocks to 4), pairs-aligned inputs (vec 2).
+def nvfp4_check(label, out, scales, want, global_scale, swizzled=True):
+    got = reference.dequantize_nvfp4(out.get().reshape(len(want), -1), scales.get(), global_scale,
+                                     (len(want), want[0].size), swizzled=swizzled)  # fmt: skip
+    check(label, got.reshape(want.shape), want, 0.2)
+
+
+def nvfp4_buffers(tokens, heads, head_size, swizzled=True):
+    blocks = heads * head_size // 16
+    rows, cols = ((-(-tokens // 128) * 128, -(-blocks // 4) * 4) if swizzled else (tokens, blocks))
+    return (cupy.full((tokens, heads, head_size // 2), 0xAB, cupy.uint8), cupy.full((rows, cols), 0xAB, cupy.uint8),
+            cupy.array([100.0], cupy.float32))  # fmt: skip
+
+
+v, s = random_states(64, 2, 32, 128, lse_shape=(64, 32, 2))
+out, scales, scale = nvfp4_buffers(2, 32, 128)
+cm.merge_states(cupy.asarray(v), cupy.asarray(s), out=out, output_scale=scale, output_block_scale=scales)
+nvfp4_check("NVFP4, split rows", out, scales, reference.merge_states(v, s)[0], 100.0)
+counts = rng.integers(0, 60, size=130)
+counts[5] = 0
+indptr = numpy.concatenate([[0], numpy.cumsum(counts)]).astype(numpy.int32)
+v, s = random_states(int(indptr[-1]), 3, 16, lse_shape=(3, int(indptr[-1])))
+out, scales, scale = nvfp4_buffers(130, 3, 16)
+cm.merge_states_varlen(cupy.asarray(v), cupy.asarray(s), cupy.asarray(indptr), out=out, output_scale=scale,
+                       output_block_scale=scales)  # fmt: skip
+nvfp4_check("NVFP4, ragged, swizzle padding", out, scales, reference.merge_states_varlen(v, s, indptr)[0], 100.0)
+assert (scales.get()[130:] == 0).all() and (scales.get()[:, 3] == 0).all(), "NVFP4 padding not zeroed"
+v_a, v_b = (rng.standard_normal((130, 3, 32)).astype(numpy.float16) for _ in range(2))
+s_a, s_b = ((rng.standard_normal((3, 130)) * 3).astype(numpy.float32) for _ in range(2))
+shifted = [cupy.asarray(numpy.concatenate([numpy.zeros(2, numpy.float16), x.ravel()]))[2:].reshape(x.shape)
+           for x in (v_a, v_b)]  # fmt: skip  # 4-byte aligned: two values a pack
+out, scales, scale = nvfp4_buffers(130, 3, 32, swizzled=False)
+cm.merge_attn_states(out, shifted[0], cupy.asarray(s_a), shifted[1], cupy.asarray(s_b), output_scale=scale,
+                     output_block_scale=scales, is_sf_swizzled_layout=False)  # fmt: skip
+nvfp4_check("NVFP4, pairs-aligned, row-major", out, scales, reference.merge_state(v_a, s_a, v_b, s_b)[0], 100.0,
+            swizzled=False)  # fmt: skip
 
 cupy.cuda.Device().synchronize()
 print(f"{len(failures)} wrong: {failures}" if failures else "all correct")

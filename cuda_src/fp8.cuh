@@ -110,13 +110,16 @@ __device__ __forceinline__ float group_abs_max(const float (&values)[VEC], unsig
   return __uint_as_float(group_max[slot]);
 }
 
-// The packed kernels' group scales: where they go, [num_tokens, groups of a token],
-// and how a group's packs are numbered (packs_per_group consecutive packs).
+// The packed kernels' group scales: where they go, [num_tokens, groups of a token] (float32
+// for FP8, e4m3 bytes for NVFP4), and how a group's packs are numbered (packs_per_group
+// consecutive packs). NVFP4's may lie in swizzled tiles instead of strides (col_tiles > 0,
+// see fp4_scale_offset), their padding zeroed: rows from `rows` to `padded_rows`.
 struct BlockScales {
-  float* scales;
+  void* scales;
   int stride_token, stride_group, packs_per_group;
   unsigned multiplier, shift;
   int ue8m0;
+  int col_tiles, rows, padded_rows;
 };
 
 // The group-scaled FP8 epilogue of a packed kernel: the group's scale from every
@@ -130,7 +133,8 @@ __device__ __forceinline__ float quantise_group(const float (&merged)[VEC], cons
   const bool leader = may_lead && threadIdx.x == slot * g.packs_per_group;
   const float scale = fp8_group_scale(group_abs_max(merged, group_max, slot, leader, contributes), g.ue8m0);
   if (leader && contributes) {
-    g.scales[token * g.stride_token + fast_divide(within, g.multiplier, g.shift) * g.stride_group] = scale;
+    static_cast<float*>(g.scales)[token * g.stride_token + fast_divide(within, g.multiplier, g.shift) * g.stride_group] =
+        scale;
   }
   return 1.0f / scale;
 }

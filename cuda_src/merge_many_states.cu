@@ -29,6 +29,7 @@
 #include "packs.cuh"
 #include "grid.cuh"
 #include "fp8.cuh"
+#include "fp4.cuh"
 #include "ragged.cuh"
 
 #ifndef MERGE_CHUNK
@@ -332,7 +333,7 @@ namespace cupy_merge {
 // SPLIT: the block's y threads take every splits-th chunk of a row's states and
 // combine their partial sums (combine_splits: many states, few rows).
 // RAGGED: rows come from indptr (the dense instantiation never reads it).
-// GROUPED: an FP8 output with a scale per group of packs, as in
+// GROUPED: an FP8 or NVFP4 output with a scale per group of packs, as in
 // merge_two_states_packed (the group maxima follow the partials in shared memory).
 // Strides of v and out are in packs, of lse and group scales in elements. Dense
 // and ragged as for merge_many_states (ragged: the token strides are 0).
@@ -357,11 +358,12 @@ __global__ void merge_many_states_packed(
     int packs_per_row, int out_stride_token, int out_lse_stride_head, int out_lse_stride_token,
     int lse_base_2,
     const float* output_scale, const void* indptr, int indptr_bytes, int indptr_stride,
-    float* output_block_scale, int block_scale_stride_token, int block_scale_stride_group,
+    void* output_block_scale, int block_scale_stride_token, int block_scale_stride_group,
     int packs_per_group, unsigned group_multiplier, unsigned group_shift, int scale_ue8m0,
+    int block_scale_col_tiles, int block_scale_rows, int block_scale_padded_rows,
     const float* sinks, int sinks_stride) {
   using InPack = Pack<TIn, VEC>;
-  using OutPack = Pack<TOut, VEC>;
+  using OutPack = OutputPack<TOut, VEC>;
   launch_dependents();
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   Partial<VEC>* shared_partials = reinterpret_cast<Partial<VEC>*>(shared_bytes);  // [splits - 1][block_packs]
@@ -412,14 +414,26 @@ __global__ void merge_many_states_packed(
     // Every thread reaches the group's barriers; only split 0's valid rows count.
     unsigned* group_max = reinterpret_cast<unsigned*>(shared_partials + (splits - 1) * block_packs);
     const BlockScales scales = {output_block_scale, block_scale_stride_token, block_scale_stride_group,
-                                packs_per_group, group_multiplier, group_shift, scale_ue8m0};
-    inverse_scale = quantise_group(merged, scales, group_max, writes, split == 0, token, within);
-    if (!writes) return;
+                                packs_per_group, group_multiplier, group_shift, scale_ue8m0,
+                                block_scale_col_tiles, block_scale_rows, block_scale_padded_rows};
+    if constexpr (kIsNvfp4<TOut>) {
+      const Fp4Scale q = quantise_fp4_group(merged, scales, group_max, writes, writes, token, within, packs_per_token,
+                                            output_scale);
+      if (!writes) return;
+      store_pack(reinterpret_cast<OutPack*>(out) + token * out_stride_token + within, fp4_pack(merged, q));
+      inverse_scale = 0.0f;
+    } else {
+      inverse_scale = quantise_group(merged, scales, group_max, writes, split == 0, token, within);
+      if (!writes) return;
+    }
   } else {
     if (!writes) return;
     inverse_scale = output_inverse_scale<TOut>(output_scale);
   }
-  store_pack(reinterpret_cast<OutPack*>(out) + token * out_stride_token + within, output_pack<TOut>(merged, inverse_scale));
+  if constexpr (!kIsNvfp4<TOut>) {
+    store_pack(reinterpret_cast<OutPack*>(out) + token * out_stride_token + within,
+               output_pack<TOut>(merged, inverse_scale));
+  }
   if (out_lse != nullptr && within == head * packs_per_row) {
     out_lse[head * out_lse_stride_head + token * out_lse_stride_token] =
         part.natural_lse(broken) * lse_from_natural(lse_base_2);

@@ -29,6 +29,7 @@
 #include "packs.cuh"
 #include "grid.cuh"
 #include "fp8.cuh"
+#include "fp4.cuh"
 
 namespace cupy_merge {
 
@@ -209,7 +210,8 @@ namespace cupy_merge {
 // GROUPED: an FP8 output with a scale per group of packs_per_group packs, written
 // to output_block_scale [num_tokens, groups per token] (see quantise_group; the dynamic
 // shared memory holds a word per group of the block). Otherwise an FP8 output
-// takes the per-tensor output_scale.
+// takes the per-tensor output_scale. An NVFP4 output (always GROUPED, 16 values a group)
+// writes e4m3 block scales (quantise_fp4_group) and reads its global scale from output_scale.
 // Token strides are in packs; LSE and block-scale strides in elements.
 template <typename TIn, typename TOut, int VEC, bool STREAMING, bool LSE_IN_PLACE, bool GROUPED, bool SINKS>
 __global__ void merge_two_states_packed(
@@ -224,11 +226,12 @@ __global__ void merge_two_states_packed(
     int lse_a_stride_head, int lse_a_stride_token,
     int lse_b_stride_head, int lse_b_stride_token,
     int mask_stride, int lse_base_2,
-    float* output_block_scale, int block_scale_stride_token, int block_scale_stride_group,
+    void* output_block_scale, int block_scale_stride_token, int block_scale_stride_group,
     int packs_per_group, unsigned group_multiplier, unsigned group_shift, int scale_ue8m0,
+    int block_scale_col_tiles, int block_scale_rows, int block_scale_padded_rows,
     const float* sinks, int sinks_stride) {
   using InPack = Pack<TIn, VEC>;
-  using OutPack = Pack<TOut, VEC>;
+  using OutPack = OutputPack<TOut, VEC>;
   launch_dependents();
   const float to_natural = lse_to_natural(lse_base_2);
   const float from_natural = lse_from_natural(lse_base_2);
@@ -256,10 +259,18 @@ __global__ void merge_two_states_packed(
     weigh_pack(w, a, b, merged);
     extern __shared__ unsigned group_max[];
     const BlockScales scales = {output_block_scale, block_scale_stride_token, block_scale_stride_group,
-                                packs_per_group, group_multiplier, group_shift, scale_ue8m0};
-    const float inverse_scale = quantise_group(merged, scales, group_max, active, true, at.token, at.within);
-    if (!active) return;
-    store_pack(to, output_pack<TOut>(merged, inverse_scale));
+                                packs_per_group, group_multiplier, group_shift, scale_ue8m0,
+                                block_scale_col_tiles, block_scale_rows, block_scale_padded_rows};
+    if constexpr (kIsNvfp4<TOut>) {
+      const Fp4Scale q =
+          quantise_fp4_group(merged, scales, group_max, active, valid, at.token, at.within, packs_per_token, output_scale);
+      if (!active) return;
+      store_pack(to, fp4_pack(merged, q));
+    } else {
+      const float inverse_scale = quantise_group(merged, scales, group_max, active, true, at.token, at.within);
+      if (!active) return;
+      store_pack(to, output_pack<TOut>(merged, inverse_scale));
+    }
   } else {
     if (!active) return;
     store_pack(to, merge_pack<TOut>(w, a, b, output_inverse_scale<TOut>(output_scale)));

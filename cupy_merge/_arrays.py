@@ -105,7 +105,9 @@ def _is_torch_dtype(dtype: Any) -> bool:
 
 def cupy_dtype(name: str) -> Any:
     """The NumPy dtype CuPy uses for ``name``: bfloat16 comes from the ``ml_dtypes`` package;
-    float8_e4m3fn too where CuPy takes it, else its bytes as uint8."""
+    float8_e4m3fn too where CuPy takes it, else its bytes as uint8; NVFP4 as its bytes."""
+    if name == "float4_e2m1fn_x2":
+        return numpy.dtype("uint8")
     if name not in _ML_DTYPES:
         return numpy.dtype(name)
     try:

@@ -25,9 +25,17 @@ VALUE_CTYPES = {
 }
 #: FP8 (OCP float8_e4m3fn): an output dtype only, written with a per-tensor or per-group scale.
 FP8 = "float8_e4m3fn"
-#: Output dtype name -> C++ type: the value dtypes and FP8.
-OUTPUT_CTYPES = {**VALUE_CTYPES, FP8: "cupy_merge::fp8_e4m3_t"}
-ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2, FP8: 1}
+#: NVFP4 (e2m1 values two a byte, torch's ``float4_e2m1fn_x2``): an output dtype only, written
+#: with a float8_e4m3fn scale per 16 values and a float32 global scale.
+NVFP4 = "float4_e2m1fn_x2"
+#: Values per NVFP4 block scale.
+NVFP4_BLOCK = 16
+#: Output dtype name -> C++ type: the value dtypes, FP8 and NVFP4.
+OUTPUT_CTYPES = {**VALUE_CTYPES, FP8: "cupy_merge::fp8_e4m3_t", NVFP4: "cupy_merge::nvfp4x2_t"}
+#: Bytes an element; an NVFP4 element holds two values.
+ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2, FP8: 1, NVFP4: 1}
+#: Values an element holds (1 but for NVFP4).
+VALUES_PER_ELEMENT = {NVFP4: 2}
 #: Elements of any array lie within this many of its start for the 32-bit kernels
 #: (2**30, not 2**31, leaves room for the sums a grid-stride loop forms past the last item).
 INDEX_32_LIMIT = 2**30
@@ -88,6 +96,7 @@ PACKED_GEOMETRY = (
 GROUP_SCALES = (
     "output_block_scale", "block_scale_stride_token", "block_scale_stride_group",
     "packs_per_group", "group_multiplier", "group_shift", "scale_ue8m0",
+    "block_scale_col_tiles", "block_scale_rows", "block_scale_padded_rows",
 )  # fmt: skip
 #: Every merge kernel's last parameters: attention sinks (read when SINKS).
 SINKS = ("sinks", "sinks_stride")
@@ -238,7 +247,10 @@ INDEX_TYPES = ("int", "long long")
 
 
 def vector_widths(in_dtype: str, out_dtype: str) -> tuple[int, ...]:
-    """Pack widths by the narrower dtype; an FP8 output's by its input (16-byte loads, 4-8 byte stores)."""
+    """Pack widths by the narrower dtype; an FP8 output's by its input (16-byte loads, 4-8 byte
+    stores), an NVFP4 output's too but at least 2 (a whole byte of two values)."""
+    if out_dtype == NVFP4:
+        return tuple(vec for vec in VECTOR_WIDTHS[ITEMSIZES[in_dtype]] if vec >= 2)
     if out_dtype == FP8:
         return VECTOR_WIDTHS[ITEMSIZES[in_dtype]]
     return VECTOR_WIDTHS[min(ITEMSIZES[in_dtype], ITEMSIZES[out_dtype])]
@@ -297,6 +309,22 @@ def module_instances(module: Module) -> list[str]:
         ]
     widths, full = vector_widths(a, b), full_pack(a, b)
     grouped = [(full, False)] + ([(vec, True) for vec in widths] if b == FP8 else [])
+    if b == NVFP4:  # always grouped, always packed
+        grouped = [(vec, True) for vec in widths]
+        if module.source == TWO_STATES_SOURCE:
+            return [
+                TWO_PACKED.instance(
+                    TIn=a, TOut=b, VEC=vec, STREAMING=streaming, LSE_IN_PLACE=False, GROUPED=True, SINKS=sinks
+                )
+                for vec in widths
+                for streaming in (False, True)
+            ]
+        return [
+            MANY_PACKED.instance(TIn=a, TOut=b, VEC=vec, SPLIT=split, RAGGED=ragged, GROUPED=True, SINKS=sinks)
+            for vec in widths
+            for split in (False, True)
+            for ragged in (False, True)
+        ]
     if module.source == TWO_STATES_SOURCE:
         return [
             TWO_STRIDED.instance(TIn=a, TOut=b, VEC=vec, ROWS=rows, Index=index, SINKS=sinks)

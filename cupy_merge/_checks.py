@@ -26,8 +26,11 @@ from ._catalogue import (
     FP8,
     INDEX_32_LIMIT,
     MAX_STATES_PER_TOKEN,
+    NVFP4,
+    NVFP4_BLOCK,
     OUTPUT_CTYPES,
     VALUE_CTYPES,
+    VALUES_PER_ELEMENT,
 )
 from ._operands import (
     BackwardOperands,
@@ -62,8 +65,8 @@ def expect_value_dtype(spec: ArraySpec, name: str) -> None:
 def expect_output_dtype(spec: ArraySpec, name: str) -> None:
     if spec.dtype not in OUTPUT_CTYPES:
         raise TypeError(
-            f"{name}: expected dtype float32, float16 or bfloat16, or float8_e4m3fn with a scale "
-            f"(CuPy: uint8 holding its bytes), got {spec.dtype}"
+            f"{name}: expected dtype float32, float16 or bfloat16, float8_e4m3fn with a scale, or "
+            f"float4_e2m1fn_x2 (NVFP4) with its block scales (CuPy: uint8 holding their bytes), got {spec.dtype}"
         )
 
 
@@ -261,6 +264,14 @@ def check_outputs(
     shape = (state.num_tokens, state.num_heads, state.head_size)
     expect_ndim(out, 3, out_name, VALUES_LAYOUT)
     expect_output_dtype(out, out_name)
+    if out.dtype == NVFP4:
+        if state.head_size % NVFP4_BLOCK:
+            raise ValueError(
+                f"{out_name}: an NVFP4 output needs a head_size that is a multiple of {NVFP4_BLOCK} (a block "
+                f"scale per {NVFP4_BLOCK} values), got head_size {state.head_size}"
+            )
+        shape = (state.num_tokens, state.num_heads, state.head_size // 2)
+        expect_shape(out, shape, out_name, f"[num_tokens, num_heads, head_size // 2] of {like}: two values a byte")
     expect_shape(out, shape, out_name, f"{VALUES_LAYOUT} of {like}")
     expect_unit_last_stride(out, out_name)
     expect_device(out, state.device, out_name, like)
@@ -307,7 +318,7 @@ def check_two(specs: TwoStateOperands, names: TwoStateOperands, options: TwoStat
         expect_token_mask(specs.mask, state.num_tokens, state.device, names.mask, names.v_a)
     if specs.sinks is not None:
         expect_sinks(specs.sinks, state.num_heads, state.device, names.sinks, names.v_a)
-    check_quantisation(specs, names, options.group_size, state, ("v_a", "v_b"))
+    check_quantisation(specs, names, options, state, ("v_a", "v_b"))
     return state
 
 
@@ -353,7 +364,7 @@ def check_many(
     check_outputs(specs.out, specs.out_lse, state, names.out, names.out_lse, names.v)
     if specs.sinks is not None:
         expect_sinks(specs.sinks, state.num_heads, state.device, names.sinks, names.v)
-    check_quantisation(specs, names, options.group_size, state, ("v",))
+    check_quantisation(specs, names, options, state, ("v",))
     return state, num_states
 
 
@@ -429,21 +440,38 @@ def _check_merge_results(specs: BackwardOperands, names: BackwardOperands, state
 # -- FP8 outputs ----------------------------------------------------------------------------------
 
 
-def fp8_bytes(out: ArraySpec | None, scaled: bool) -> ArraySpec | None:
-    """A uint8 output given with a scale holds FP8 (float8_e4m3fn) bytes: CuPy has no FP8 dtype."""
-    if out is not None and scaled and out.dtype == "uint8":
+#: The dtypes NVFP4 block scales may have: float8_e4m3fn, or its bytes as uint8.
+_SCALE_BYTES = ("float8_e4m3fn", "uint8")
+
+
+def quantised_bytes(out: ArraySpec | None, output_scale: Any, block_scale: ArraySpec | None) -> ArraySpec | None:
+    """What a uint8 output holds (CuPy has no FP8 or FP4 dtype; vLLM gives NVFP4 as uint8): with
+    block scales of one byte, NVFP4 (``float4_e2m1fn_x2``); with another scale, FP8."""
+    if out is None or out.dtype != "uint8":
+        return out
+    if block_scale is not None and block_scale.dtype in _SCALE_BYTES:
+        return out._replace(dtype=NVFP4)
+    if output_scale is not None or block_scale is not None:
         return out._replace(dtype=FP8)
     return out
+
+
+def nvfp4_scale_shape(num_tokens: int, blocks: int, swizzled: bool) -> tuple[int, int]:
+    """NVFP4 block scales' shape: ``[num_tokens, blocks]``, or swizzled, the rows padded to 128
+    and the columns to 4."""
+    if not swizzled:
+        return num_tokens, blocks
+    return -(-num_tokens // 128) * 128, -(-blocks // 4) * 4
 
 
 def check_quantisation(
     specs: TwoStateOperands | ManyStateOperands,
     names: TwoStateOperands | ManyStateOperands,
-    group_size: int | None,
+    options: TwoStateOptions | ManyStateOptions,
     state: StateShape,
     value_fields: tuple[str, ...],
 ) -> None:
-    """An FP8 output has exactly one kind of scale; a scale needs an FP8 output.
+    """An FP8 output has exactly one kind of scale, an NVFP4 output both; a scale needs either.
 
     ``output_scale``: float32, one element, read on the device at each launch.
     ``output_block_scale``: float32 ``[num_tokens, num_heads * head_size / group_size]``,
@@ -451,10 +479,21 @@ def check_quantisation(
     back to back, offsets within 32 bits).
     """
     out, out_scale, group_scale = specs.out, specs.output_scale, specs.output_block_scale
+    group_size = options.group_size
+    if out.dtype == NVFP4:
+        _check_nvfp4(specs, names, options, state, value_fields)
+        return
+    if not options.swizzled_scales:
+        raise ValueError(
+            f"is_sf_swizzled_layout: False is the layout of NVFP4 block scales; {names.out} is {out.dtype}"
+        )
     if out.dtype != FP8:
         for spec, name in ((out_scale, names.output_scale), (group_scale, names.output_block_scale)):
             if spec is not None:
-                raise TypeError(f"{name}: a scale is for an FP8 (float8_e4m3fn) output; {names.out} is {out.dtype}")
+                raise TypeError(
+                    f"{name}: a scale is for an FP8 (float8_e4m3fn) output; {names.out} is {out.dtype} (an NVFP4 "
+                    f"output, float4_e2m1fn_x2, takes both scales)"
+                )
         return
     if out_scale is None and group_scale is None:
         raise TypeError(
@@ -467,28 +506,80 @@ def check_quantisation(
             f"(per group), not both"
         )
     if out_scale is not None:
-        if out_scale.dtype != "float32" or math.prod(out_scale.shape) != 1:
-            raise TypeError(
-                f"{names.output_scale}: expected a float32 array of one element, got {out_scale.dtype} "
-                f"of shape {out_scale.shape}"
-            )
-        expect_device(out_scale, state.device, names.output_scale, names.out)
-        expect_aligned(out_scale, names.output_scale)
+        _expect_one_float32(out_scale, names.output_scale, state, names.out)
         return
-    assert group_scale is not None and group_size is not None
+    assert group_scale is not None
     name = names.output_block_scale
+    if group_size is None:
+        raise ValueError(
+            "quant_group_size: expected the number of elements a group scale covers (e.g. 128), got None"
+        )
+    if group_scale.dtype in _SCALE_BYTES:
+        raise TypeError(
+            f"{name}: one-byte block scales ({group_scale.dtype}) are NVFP4's; FP8 group scales are float32"
+        )
     if state.head_size % group_size:
         raise ValueError(f"quant_group_size: expected a divisor of head_size {state.head_size}, got {group_size}")
     layout = "[num_tokens, num_heads * head_size / quant_group_size]"
     expect_ndim(group_scale, 2, name, layout)
     expect_float32(group_scale, name, "float32 scales")
     expect_shape(group_scale, (state.num_tokens, state.num_heads * state.head_size // group_size), name, layout)
+    _expect_block_scale_arrays(specs, names, state, value_fields)
+
+
+def _check_nvfp4(specs, names, options, state: StateShape, value_fields: tuple[str, ...]) -> None:
+    """An NVFP4 output: its global scale (``output_scale``: float32, one element, on the device,
+    read at each launch) and its block scales (``output_block_scale``: one byte each, written,
+    swizzled ``[ceil(T / 128) * 128, ceil(G / 4) * 4]`` C-contiguous or row-major ``[T, G]``, G =
+    ``num_heads * head_size // 16``); 16 values a block, e4m3 scales."""
+    out_scale, block_scale = specs.output_scale, specs.output_block_scale
+    if out_scale is None or block_scale is None:
+        missing = names.output_scale if out_scale is None else names.output_block_scale
+        raise TypeError(
+            f"{missing}: an NVFP4 output ({names.out}) needs {names.output_scale} (its global scale: float32, one "
+            f"element, on the device) and {names.output_block_scale} (its float8_e4m3fn block scales, written)"
+        )
+    _expect_one_float32(out_scale, names.output_scale, state, names.out)
+    if options.group_size not in (None, NVFP4_BLOCK):
+        raise ValueError(f"quant_group_size: NVFP4 has a scale per {NVFP4_BLOCK} values, got {options.group_size}")
+    if options.scale_ue8m0:
+        raise ValueError("scale_ue8m0: NVFP4 block scales are float8_e4m3fn, not UE8M0")
+    name = names.output_block_scale
+    if block_scale.dtype not in _SCALE_BYTES:
+        raise TypeError(f"{name}: expected NVFP4 block scales of dtype float8_e4m3fn (or uint8), got {block_scale.dtype}")
+    blocks = state.num_heads * state.head_size // NVFP4_BLOCK
+    swizzled = options.swizzled_scales
+    layout = (
+        "[ceil(num_tokens / 128) * 128, ceil(num_heads * head_size / 64) * 4], swizzled"
+        if swizzled
+        else "[num_tokens, num_heads * head_size // 16] (is_sf_swizzled_layout=False)"
+    )
+    expect_ndim(block_scale, 2, name, layout)
+    expect_shape(block_scale, nvfp4_scale_shape(state.num_tokens, blocks, swizzled), name, layout)
+    if swizzled and 0 not in block_scale.shape and block_scale.strides != (block_scale.shape[1], 1):
+        raise ValueError(
+            f"{name}: swizzled block scales are C-contiguous tiles, got strides {block_scale.strides}; pass a "
+            f"fresh array, or is_sf_swizzled_layout=False for row-major scales of any strides"
+        )
+    _expect_block_scale_arrays(specs, names, state, value_fields)
+
+
+def _expect_one_float32(spec: ArraySpec, name: str, state: StateShape, like: str) -> None:
+    if spec.dtype != "float32" or math.prod(spec.shape) != 1:
+        raise TypeError(f"{name}: expected a float32 array of one element, got {spec.dtype} of shape {spec.shape}")
+    expect_device(spec, state.device, name, like)
+    expect_aligned(spec, name)
+
+
+def _expect_block_scale_arrays(specs, names, state: StateShape, value_fields: tuple[str, ...]) -> None:
+    """Block scales' own rules, and the packed layout their kernels need of every array."""
+    out, group_scale, name = specs.out, specs.output_block_scale, names.output_block_scale
     expect_device(group_scale, state.device, name, names.out)
     expect_aligned(group_scale, name)
     expect_no_self_overlap(group_scale, name)
     values = [(out, names.out)] + [(getattr(specs, f), getattr(names, f)) for f in value_fields]
     for spec, spec_name in values:
-        if spec.shape[-2] > 1 and spec.strides[-2] != state.head_size:
+        if spec.shape[-2] > 1 and spec.strides[-2] != state.head_size // VALUES_PER_ELEMENT.get(spec.dtype, 1):
             raise ValueError(
                 f"{name}: group scales need every value array's heads back to back (head stride = head_size); "
                 f"{spec_name} has strides {spec.strides}; copy it into a contiguous array"

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, cast
 
 from . import _addresses, _arrays, _checks, _kernels, _plan, _plan_backward, _tuning
 from ._arrays import ArraySpec, ArrayView
-from ._catalogue import ITEMSIZES
+from ._catalogue import ITEMSIZES, VALUES_PER_ELEMENT
 from ._operands import (
     WRITTEN,
     BackwardOperands,
@@ -281,8 +281,7 @@ def check_specs(
     if isinstance(specs, BackwardOperands):
         state, num_states = _checks.check_backward(specs, names, options)  # type: ignore[arg-type]
         return state, num_states, specs, ()
-    scaled = specs.output_scale is not None or specs.output_block_scale is not None
-    specs = specs._replace(out=_checks.fp8_bytes(specs.out, scaled))
+    specs = specs._replace(out=_checks.quantised_bytes(specs.out, specs.output_scale, specs.output_block_scale))
     if operation.many:
         state, num_states = _checks.check_many_inputs(specs, names)  # type: ignore[arg-type]
     else:
@@ -336,7 +335,7 @@ def _fresh_outputs(
     fresh = []
     if out is None:
         dtype = out_dtype or state.dtype
-        values = (state.num_tokens, state.num_heads, state.head_size)
+        values = (state.num_tokens, state.num_heads, state.head_size // VALUES_PER_ELEMENT.get(dtype, 1))
         specs = specs._replace(out=_arrays.contiguous_spec(values, dtype, ITEMSIZES[dtype], state.device))
         fresh.append(FreshOutput("out", values, dtype))
     if specs.out_lse is None:

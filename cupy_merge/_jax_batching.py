@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from ._catalogue import MAX_STATES_PER_TOKEN
+from ._catalogue import MAX_STATES_PER_TOKEN, NVFP4
 from ._jax_launch import _Config, _jax
 from ._ops import LSE, OFFSETS, PER_HEAD, ROW_LSE, ROWS, SCALAR, STACKED, STACKED_LSE, VALUES
 
@@ -101,11 +101,13 @@ def _fold_of(cfg: _Config, size: int, batched: dict, given: dict) -> _Fold | Non
     """How this batch folds, or None where it cannot: a sinks or scale batched (one a launch), the
     sinks' gradient (a sum over each element's tokens), values shared by the batch (merged one by
     one rather than copied B times), a prefill cut inside an element's tokens, stacked values
-    whose fold would copy them, ragged offsets that would overflow or group scales written in
-    place (their extra tokens)."""
+    whose fold would copy them, ragged offsets that would overflow, group scales written in
+    place (their extra tokens) or NVFP4 block scales (swizzled by each element's tokens)."""
     layouts = cfg.operation.layouts
     backward = cfg.operation.is_backward
     if any(batched[field] for field in given if layouts[field] in (PER_HEAD, SCALAR)):
+        return None
+    if getattr(cfg.options, "out_dtype", None) == NVFP4:  # block scales tiled by each element's own tokens
         return None
     if backward and "sinks" in given:
         return None

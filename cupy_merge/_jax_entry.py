@@ -11,7 +11,8 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _checks, _dispatch, _jax_launch, _tuning
+from . import _arrays, _checks, _dispatch, _jax_launch, _options, _tuning
+from ._catalogue import NVFP4
 from ._jax_launch import _Config, _entries, _jax
 from ._jax_transforms import (
     _backward_batched,
@@ -346,8 +347,9 @@ def _merge(operation: _dispatch.Operation, arguments: dict, in_place: bool = Fal
 
     def slow() -> _Route:
         block_scale = arrays[-1]
-        if block_scale is None and arguments.get("quant_group_size") is not None:
-            block_scale = _FRESH_SCALES  # the merge allocates the group scales
+        nvfp4 = _options.optional_value_dtype(arguments.get("out_dtype")) == NVFP4
+        if block_scale is None and (arguments.get("quant_group_size") is not None or nvfp4):
+            block_scale = _FRESH_SCALES  # the merge allocates the group (or NVFP4 block) scales
         given = dict(zip(point.options, values))
         options = operation.options(**given, output_block_scale=None if block_scale is None else True)
         operands = type(names)._make((*arrays[:-1], block_scale))

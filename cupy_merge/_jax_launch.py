@@ -12,7 +12,7 @@ import numpy
 
 from . import _arrays, _checks, _dispatch, _kernels, _ops, _plan_backward, _tuning
 from ._arrays import ArraySpec
-from ._catalogue import FP8, ITEMSIZES
+from ._catalogue import FP8, ITEMSIZES, NVFP4, NVFP4_BLOCK
 from ._operands import BackwardOperands
 
 #: What to install when JAX is missing.
@@ -202,20 +202,26 @@ def _build_entry(cfg: _Config, avals: tuple) -> _Entry:
         results += [("out", physical["v_a"], _dtype_of(avals[cfg.fields.index("v_a")][1])),
                     ("out_lse", physical["s_a"], numpy.dtype("float32"))]  # fmt: skip
     else:
-        out_shape = (tokens, heads, head_size)
+        out_shape = (tokens, heads, head_size // 2 if out_dtype == NVFP4 else head_size)
         out = _arrays.contiguous_spec(out_shape, out_dtype, ITEMSIZES[out_dtype], 0)
         lse_shape = _physical_lse(heads, tokens, cfg.out_layout)
         out_lse = _spec(lse_shape, numpy.float32, cfg.out_layout)
-        stored = numpy.dtype("uint8") if out_dtype == FP8 else _jax_dtype(out_dtype)
+        stored = numpy.dtype("uint8") if out_dtype in (FP8, NVFP4) else _jax_dtype(out_dtype)
         results += [("out", out_shape, stored), ("out_lse", lse_shape, numpy.dtype("float32"))]
     block_scale = specs.output_block_scale
-    if options.group_size is not None:
+    if options.group_size is not None or out_dtype == NVFP4:
+        scale_dtype = numpy.dtype("uint8" if out_dtype == NVFP4 else "float32")
         if block_scale is None:
-            scale_shape = (tokens, heads * head_size // options.group_size)
-            block_scale = _arrays.contiguous_spec(scale_shape, "float32", 4, 0)
-        else:
+            if out_dtype == NVFP4:  # head sizes not a multiple of 16 are refused by the checks
+                blocks = heads * head_size // NVFP4_BLOCK
+                scale_shape = _checks.nvfp4_scale_shape(tokens, blocks, options.swizzled_scales)
+            else:
+                scale_shape = (tokens, heads * head_size // options.group_size)
+            block_scale = _arrays.contiguous_spec(scale_shape, scale_dtype.name, scale_dtype.itemsize, 0)
+        else:  # aliased to the result: of its own dtype
             scale_shape = physical["output_block_scale"]
-        results.append(("output_block_scale", scale_shape, numpy.dtype("float32")))
+            scale_dtype = numpy.dtype(avals[cfg.fields.index("output_block_scale")][1])
+        results.append(("output_block_scale", scale_shape, scale_dtype))
     specs = specs._replace(out=out, out_lse=out_lse, output_block_scale=block_scale)
     planned = _dispatch.plan_specs(operation, options, tuning, specs, cfg.in_place)
     shapes = tuple((shape, dtype) for _, shape, dtype in results)
@@ -227,7 +233,10 @@ def _build_entry(cfg: _Config, avals: tuple) -> _Entry:
         field: spec._replace(align=min(spec.align, spec.itemsize))
         for field, spec in zip(specs._fields, specs) if spec is not None
     })  # fmt: skip
-    loose_plan = _dispatch.plan_specs(operation, options, tuning, loose, cfg.in_place).plan
+    try:
+        loose_plan: tuple | None = _dispatch.plan_specs(operation, options, tuning, loose, cfg.in_place).plan
+    except ValueError:  # an NVFP4 output needs its values aligned to pairs: aligned buffers only
+        loose_plan = None
     index = {field: position for position, field in enumerate(cfg.fields)}
     index.update({field: len(cfg.fields) + position for position, (field, _, _) in enumerate(results)})
     aliases = {}
@@ -240,15 +249,19 @@ def _build_entry(cfg: _Config, avals: tuple) -> _Entry:
     return _Entry(call, shapes, out_dtype == FP8, host)
 
 
-def _buffer_call(plan: tuple, loose_plan: tuple, index: dict, host: HostCall, shapes: tuple, aliases: dict,
+def _buffer_call(plan: tuple, loose_plan: tuple | None, index: dict, host: HostCall, shapes: tuple, aliases: dict,
                  tuning: _tuning.Tuning) -> Any:  # fmt: skip
     """The ``buffer_callback`` of a traced merge: its launches prepared for every device (the
     element-aligned plan's too, where it differs), results of ``shapes``, ``aliases`` (input
     buffer -> result)."""
     devices = _devices_to_prepare()
     fast = _prepare(plan, devices, tuning)
-    slow = fast if loose_plan == plan else _prepare(loose_plan, devices, tuning)
-    callback = _callback(fast, _slots(plan, index), slow, _slots(loose_plan, index), host)
+    slow: dict | None = None
+    slow_slots: tuple = ()
+    if loose_plan is not None:
+        slow = fast if loose_plan == plan else _prepare(loose_plan, devices, tuning)
+        slow_slots = _slots(loose_plan, index)
+    callback = _callback(fast, _slots(plan, index), slow, slow_slots, host)
     jax = _jax()
     return jax.buffer_callback(
         callback,
@@ -301,7 +314,7 @@ def _stream_of(context: Any) -> int:
     return context.stream
 
 
-def _callback(fast: dict, fast_slots: tuple, slow: dict, slow_slots: tuple, host: HostCall):
+def _callback(fast: dict, fast_slots: tuple, slow: dict | None, slow_slots: tuple, host: HostCall):
     """The buffer_callback's function: read addresses, patch them in, launch on XLA's stream.
 
     Capture-safe: it launches only on ``ctx.stream``, allocates nothing, never synchronises and
@@ -319,6 +332,11 @@ def _callback(fast: dict, fast_slots: tuple, slow: dict, slow_slots: tuple, host
         for pointer in pointers:
             bits |= pointer
         launches, slots = (slow, slow_slots) if bits & _MISALIGNED else (fast, fast_slots)
+        if launches is None:
+            raise RuntimeError(
+                f"cupy_merge.jax: {host.operation.name} was given a buffer at an offset that splits its values' "
+                f"pairs, which an NVFP4 output cannot take; pass whole arrays"
+            )
         prepared = launches.get(device)
         if prepared is None:
             raise RuntimeError(

@@ -12,7 +12,7 @@ from typing import Any
 import numpy
 
 from . import _dispatch, _jax_batching, _options, _tuning
-from ._catalogue import FP8
+from ._catalogue import FP8, NVFP4
 from ._jax_launch import _build_backward_entry, _Config, _Entry, _entry, _jax, natural_orders
 from ._ops import MERGE_STATE_BACKWARD, MERGE_STATES_BACKWARD, MERGE_STATES_VARLEN_BACKWARD
 
@@ -119,9 +119,10 @@ def _differentiable(cfg: _Config):
 def _vjp_forward(cfg: _Config, *arrays: Any) -> tuple:
     """The merge, keeping its inputs and results for the backward; an FP8 output is refused (it has
     no gradient: rounding to FP8 is a step function). Only a differentiated call comes here."""
-    if cfg.options.out_dtype == FP8:
+    if cfg.options.out_dtype in (FP8, NVFP4):
+        kind = "an FP8 (float8_e4m3fn)" if cfg.options.out_dtype == FP8 else "an NVFP4 (float4_e2m1fn_x2)"
         raise TypeError(
-            f"cupy_merge.jax.{cfg.operation.name}: an FP8 (float8_e4m3fn) output is not differentiable; merge to "
+            f"cupy_merge.jax.{cfg.operation.name}: {kind} output is not differentiable; merge to "
             f"float32, float16 or bfloat16 to take gradients through the merge (and quantise after it), or "
             f"apply jax.lax.stop_gradient to its inputs"
         )

@@ -85,7 +85,8 @@ class TwoStateOptions(NamedTuple):
     """Normalised options of a two-way merge (``_options.two_state_options`` builds them).
 
     ``merge_tokens``: tokens at or past it take state b (vLLM's
-    ``prefill_tokens_with_context``); ``group_size``: FP8 group scales (None: none).
+    ``prefill_tokens_with_context``); ``group_size``: FP8 group scales (None: none, or NVFP4's
+    16); ``swizzled_scales``: NVFP4 block scales in the GEMMs' 128 x 4 tiles.
     """
 
     lse_base_2: int = 0
@@ -93,6 +94,7 @@ class TwoStateOptions(NamedTuple):
     out_dtype: str | None = None
     group_size: int | None = None
     scale_ue8m0: int = 0
+    swizzled_scales: bool = True
 
 
 class ManyStateOptions(NamedTuple):
@@ -103,6 +105,7 @@ class ManyStateOptions(NamedTuple):
     check_indptr: bool = False
     group_size: int | None = None
     scale_ue8m0: int = 0
+    swizzled_scales: bool = True
 
 
 class BackwardOptions(NamedTuple):

@@ -13,7 +13,7 @@ import math
 import operator
 from typing import Any
 
-from ._catalogue import MAX_QUANT_GROUP, OUTPUT_CTYPES, VALUE_CTYPES
+from ._catalogue import MAX_QUANT_GROUP, NVFP4, OUTPUT_CTYPES, VALUE_CTYPES
 from ._operands import BackwardOptions, ManyStateOptions, TwoStateOptions
 
 _LSE_BASES = {"e": 0, 2: 1, "2": 1}
@@ -54,12 +54,27 @@ def _dtype_list(allowed: dict) -> str:
 
 
 def optional_value_dtype(dtype: Any) -> str | None:
-    """An output dtype: a value dtype or FP8 (``"float8_e4m3fn"``), or None."""
-    return None if dtype is None else value_dtype_name(dtype, allowed=OUTPUT_CTYPES)
+    """An output dtype: a value dtype, FP8 (``"float8_e4m3fn"``) or NVFP4 (``"nvfp4"``, torch's
+    ``float4_e2m1fn_x2``), or None."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str) and dtype == "nvfp4":
+        return NVFP4
+    return value_dtype_name(dtype, allowed=OUTPUT_CTYPES)
+
+
+def swizzled_scales(is_sf_swizzled_layout: Any, block_scale: Any) -> bool:
+    """Whether NVFP4 block scales are in the GEMMs' 128 x 4 swizzled layout (the default) or
+    row-major ``[num_tokens, num_heads * head_size // 16]`` (False: it needs block scales)."""
+    swizzled = flag(is_sf_swizzled_layout, "is_sf_swizzled_layout")
+    if not swizzled and block_scale is None:
+        raise ValueError("is_sf_swizzled_layout: False is the layout of NVFP4 block scales; no output_block_scale given")
+    return swizzled
 
 
 def quant_group(group_size: Any, block_scale: Any, scale_ue8m0: Any) -> tuple[int | None, int]:
-    """``(group_size, ue8m0 flag)`` of an FP8 output with group scales, ``(None, 0)`` without."""
+    """``(group_size, ue8m0 flag)`` of an output with block scales (FP8 or NVFP4), ``(None, 0)``
+    without."""
     ue8m0 = flag(scale_ue8m0, "scale_ue8m0")
     if block_scale is None:
         if group_size is not None:
@@ -67,10 +82,8 @@ def quant_group(group_size: Any, block_scale: Any, scale_ue8m0: Any) -> tuple[in
         if ue8m0:
             raise ValueError("scale_ue8m0: given without output_block_scale (it rounds the group scales)")
         return None, 0
-    if group_size is None:
-        raise ValueError(
-            "quant_group_size: expected the number of elements a group scale covers (e.g. 128), got None"
-        )
+    if group_size is None:  # FP8 needs it, NVFP4 has 16 (the checks know which the output is)
+        return None, int(ue8m0)
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         raise TypeError(f"quant_group_size: expected an int, got {type(group_size).__name__}")
     if not 1 <= group_size <= MAX_QUANT_GROUP:
@@ -118,6 +131,7 @@ def two_state_options(
     quant_group_size: Any = None,
     scale_ue8m0: Any = False,
     quant_scale_ue8m0: Any = False,
+    is_sf_swizzled_layout: Any = True,
 ) -> TwoStateOptions:
     """A two-way merge's options from the public arguments of the same names
     (``quant_scale_ue8m0`` is vLLM's name for ``scale_ue8m0``)."""
@@ -130,6 +144,7 @@ def two_state_options(
         and quant_group_size is None
         and scale_ue8m0 is False
         and quant_scale_ue8m0 is False
+        and is_sf_swizzled_layout is True
     ):
         return _DEFAULT_TWO_STATE_OPTIONS  # the common call, without the checks' calls
     ue8m0_flag = flag(scale_ue8m0, "scale_ue8m0") or flag(quant_scale_ue8m0, "quant_scale_ue8m0")
@@ -140,6 +155,7 @@ def two_state_options(
         out_dtype=optional_value_dtype(out_dtype),
         group_size=group_size,
         scale_ue8m0=ue8m0,
+        swizzled_scales=swizzled_scales(is_sf_swizzled_layout, output_block_scale),
     )
 
 
@@ -151,6 +167,7 @@ def many_state_options(
     output_block_scale: Any = None,
     quant_group_size: Any = None,
     scale_ue8m0: Any = False,
+    is_sf_swizzled_layout: Any = True,
 ) -> ManyStateOptions:
     """An N-way merge's options from the public arguments of the same names."""
     if (
@@ -161,6 +178,7 @@ def many_state_options(
         and quant_group_size is None
         and scale_ue8m0 is False
         and type(check_indptr) is bool
+        and is_sf_swizzled_layout is True
     ):
         return _DEFAULT_MANY_STATE_OPTIONS[check_indptr]
     group_size, ue8m0 = quant_group(quant_group_size, output_block_scale, scale_ue8m0)
@@ -170,6 +188,7 @@ def many_state_options(
         check_indptr=flag(check_indptr, "check_indptr"),
         group_size=group_size,
         scale_ue8m0=ue8m0,
+        swizzled_scales=swizzled_scales(is_sf_swizzled_layout, output_block_scale),
     )
 
 

@@ -122,10 +122,16 @@ def choose_vector_width(
 
 
 def _pack_aligned(spec: ArraySpec, vec: int, every_stride: bool = False) -> bool:
-    if spec.align < min(vec * spec.itemsize, 16):
+    elements = _elements(spec, vec)
+    if elements == 0 or spec.align < min(elements * spec.itemsize, 16):
         return False
     dims = zip(spec.shape[:-1], spec.strides[:-1])
-    return all(stride % vec == 0 for extent, stride in dims if extent > 1 or every_stride)
+    return all(stride % elements == 0 for extent, stride in dims if extent > 1 or every_stride)
+
+
+def _elements(spec: ArraySpec, vec: int) -> int:
+    """The elements of ``spec`` that hold a pack of ``vec`` values (NVFP4: two values an element)."""
+    return vec // cat.VALUES_PER_ELEMENT.get(spec.dtype, 1)
 
 
 def heads_packed(spec: ArraySpec, head_size: int) -> bool:
@@ -171,20 +177,50 @@ def _packed_geometry(state: StateShape, vec: int) -> dict[str, int]:
     }
 
 
-def _group_geometry(block_scale: ArraySpec | None, group_size: int | None, vec: int) -> dict[str, Any]:
-    """The packed kernels' group-scale arguments: a group is ``group_size // vec`` consecutive packs."""
+def _group_geometry(
+    block_scale: ArraySpec | None, group_size: int | None, vec: int, num_tokens: int, swizzled: bool = False
+) -> dict[str, Any]:
+    """The packed kernels' group-scale arguments: a group is ``group_size // vec`` consecutive packs;
+    ``swizzled``: NVFP4 scales in 128 x 4 tiles (padded rows and columns zeroed by the kernel)."""
     if block_scale is None or group_size is None:
         return {"output_block_scale": 0, "block_scale_stride_token": 0, "block_scale_stride_group": 0,
-                "packs_per_group": 1, "group_multiplier": 0, "group_shift": 0}  # fmt: skip
+                "packs_per_group": 1, "group_multiplier": 0, "group_shift": 0, "block_scale_col_tiles": 0,
+                "block_scale_rows": 0, "block_scale_padded_rows": 0}  # fmt: skip
     group = fast_divisor(group_size // vec)
     return {
         "output_block_scale": Pointer("output_block_scale"),
-        "block_scale_stride_token": _used(block_scale, 0),
-        "block_scale_stride_group": _used(block_scale, 1),
+        "block_scale_stride_token": 0 if swizzled else _used(block_scale, 0),
+        "block_scale_stride_group": 0 if swizzled else _used(block_scale, 1),
         "packs_per_group": group.divisor,
         "group_multiplier": group.multiplier,
         "group_shift": group.shift,
+        "block_scale_col_tiles": block_scale.shape[1] // 4 if swizzled else 0,
+        "block_scale_rows": num_tokens,
+        "block_scale_padded_rows": block_scale.shape[0] if swizzled else num_tokens,
     }
+
+
+def _group_size(specs: TwoStateOperands | ManyStateOperands, options: Any) -> int | None:
+    """Values a block scale covers: NVFP4's 16, an FP8 output's group size, or None (no block scales)."""
+    if specs.output_block_scale is None:
+        return None
+    return cat.NVFP4_BLOCK if specs.out.dtype == cat.NVFP4 else options.group_size
+
+
+def _swizzled(specs: TwoStateOperands | ManyStateOperands, options: Any) -> bool:
+    return specs.out.dtype == cat.NVFP4 and options.swizzled_scales
+
+
+def _vector_width(values: list[ArraySpec], row: int, widths: tuple[int, ...]) -> int:
+    """:func:`choose_vector_width`, refusing the one width an NVFP4 output cannot take (a pack of
+    one value is half a byte): its arrays need alignment to two values."""
+    vec = choose_vector_width(values, row, widths)
+    if vec not in widths:
+        raise ValueError(
+            f"out: an NVFP4 output needs every value array aligned to two values (a whole byte of output); "
+            f"got arrays of shapes {[spec.shape for spec in values]} and strides {[spec.strides for spec in values]}"
+        )
+    return vec
 
 
 def _group_block(threads: int, packs_per_group: int, limit: int = CUDA_BLOCK_LIMIT) -> int:
@@ -267,11 +303,11 @@ def plan_two_states(
     if num_tokens == 0 or num_heads == 0:
         return ()
     out, out_lse, v_a, s_a, v_b, s_b, mask = specs[:7]
-    group_size = options.group_size if specs.output_block_scale is not None else None
+    group_size = _group_size(specs, options)
     grouped = group_size is not None
     module = cat.Module(cat.TWO_STATES_SOURCE, state.dtype, out.dtype, specs.sinks is not None, tuning.compile_options)
     widths = cat.vector_widths(state.dtype, out.dtype)
-    vec = choose_vector_width([out, v_a, v_b], group_size or head_size, widths)
+    vec = _vector_width([out, v_a, v_b], group_size or head_size, widths)
     merge_tokens = num_tokens if options.merge_tokens is None else min(options.merge_tokens, num_tokens)
     common = {
         "out": where.out, "out_lse": where.out_lse if out_lse is not None else 0,
@@ -281,14 +317,14 @@ def plan_two_states(
         "mask_stride": _used(mask, 0), "lse_base_2": options.lse_base_2, **_sinks(specs),
     }  # fmt: skip
     index = index_type([out, out_lse, v_a, s_a, v_b, s_b, mask], num_tokens * num_heads)
-    traffic = num_tokens * num_heads * head_size * (2 * v_a.itemsize + out.itemsize)
+    traffic = num_tokens * num_heads * head_size * (2 * v_a.itemsize + out.itemsize * _elements(out, 2) / 2)
     packs_per_row = head_size // vec
     packed = _packed_kernel_fits(vec, widths, index, head_size, [out, v_a, v_b], tuning) and (
         not lse_in_place or 32 % packs_per_row == 0
     )
     if packed or grouped:
         geometry = _packed_geometry(state, vec)
-        group = _group_geometry(specs.output_block_scale, group_size, vec)
+        group = _group_geometry(specs.output_block_scale, group_size, vec, num_tokens, _swizzled(specs, options))
         # Whole groups a block; with the LSE written in place, whole rows (the group barriers
         # then order a row's reads of the old LSE before its write, as __syncwarp does otherwise).
         # A row too long for one block has its LSE written by a second launch instead.
@@ -297,7 +333,7 @@ def plan_two_states(
         threads = _group_block(tuning.packed_two_threads, unit)
         grid = (-(-geometry["total_packs"] // threads), 1, 1)
         strides = {
-            "out_stride_token": _in_packs(out.strides[0], num_tokens, vec),
+            "out_stride_token": _in_packs(out.strides[0], num_tokens, _elements(out, vec)),
             "a_stride_token": _in_packs(v_a.strides[0], num_tokens, vec),
             "b_stride_token": _in_packs(v_b.strides[0], num_tokens, vec),
         }
@@ -372,14 +408,15 @@ def plan_many_states(
             v_b=Pointer("v", _state_offset(v, 1)), s_b=Pointer("s", _state_offset(s, 1)),
         )  # fmt: skip
         options_two = TwoStateOptions(
-            lse_base_2=options.lse_base_2, group_size=options.group_size, scale_ue8m0=options.scale_ue8m0
+            lse_base_2=options.lse_base_2, group_size=options.group_size, scale_ue8m0=options.scale_ue8m0,
+            swizzled_scales=options.swizzled_scales,
         )
         return plan_two_states(state, two, options_two, tuning, False, where)
-    group_size = options.group_size if specs.output_block_scale is not None else None
+    group_size = _group_size(specs, options)
     grouped = group_size is not None
     module = cat.Module(cat.MANY_STATES_SOURCE, state.dtype, out.dtype, specs.sinks is not None, tuning.compile_options)
     widths = cat.vector_widths(state.dtype, out.dtype)
-    vec = choose_vector_width([out, v], group_size or head_size, widths)
+    vec = _vector_width([out, v], group_size or head_size, widths)
     if indptr is None:
         v_state, v_token, v_head = v.strides[:3]  # (state, token, head)
         s_state, s_head, s_token = (_used(s, dim) for dim in range(3))  # (state, head, token)
@@ -402,7 +439,7 @@ def plan_many_states(
     chunk = tuning.merge_chunk
     if grouped or _packed_kernel_fits(vec, widths, index, head_size, [out, v], tuning):
         geometry = _packed_geometry(state, vec)
-        group = _group_geometry(specs.output_block_scale, group_size, vec)
+        group = _group_geometry(specs.output_block_scale, group_size, vec, num_tokens, _swizzled(specs, options))
         row_states = num_states if indptr is None else -(-num_states // num_tokens)  # ragged: the mean
         if tuning.batch_invariant:  # the splits the row's count asks for, the packs a block fewer if need be
             splits = invariant_splits(num_states, indptr is not None, group_size or 1, tuning)
@@ -413,7 +450,7 @@ def plan_many_states(
             threads_x, splits = choose_packed_block(geometry["total_packs"], row_states, group["packs_per_group"], tuning)
         grid = (-(-geometry["total_packs"] // threads_x), 1, 1)
         strides = {
-            "out_stride_token": _in_packs(out.strides[0], num_tokens, vec),
+            "out_stride_token": _in_packs(out.strides[0], num_tokens, _elements(out, vec)),
             "v_stride_state": _in_packs(v_state, extents[0], vec),
             "v_stride_token": _in_packs(v_token, extents[1], vec),
         }

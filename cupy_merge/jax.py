@@ -67,6 +67,7 @@ def merge_state(
     output_block_scale: Any = None,
     quant_group_size: int | None = None,
     scale_ue8m0: bool = False,
+    is_sf_swizzled_layout: bool = True,
     lse_base: Any = "e",
 ) -> tuple:
     """Merge two attention states of JAX arrays and return the merged ``(v, s)``.
@@ -87,8 +88,11 @@ def merge_state(
     s_b : jax.Array
         Like ``s_a``.
     out_dtype : str or dtype, optional
-        Dtype of the merged values: float32, float16, bfloat16 or ``"float8_e4m3fn"``
-        (``jnp.float8_e4m3fn``, with a scale); the input dtype by default.
+        Dtype of the merged values: float32, float16, bfloat16, ``"float8_e4m3fn"``
+        (``jnp.float8_e4m3fn``, with a scale) or ``"nvfp4"`` (e2m1 values two a byte, as
+        uint8 ``[num_tokens, num_heads, head_size // 2]``, with ``output_scale`` the global
+        scale; the block scales come back as a third result, uint8 bytes of float8_e4m3fn);
+        the input dtype by default.
     sinks : jax.Array, optional
         Attention sinks, float32 ``[num_heads]`` natural-log logits, each counted once in
         its head's denominator (the output LSE includes it).
@@ -106,6 +110,8 @@ def merge_state(
         third result.
     scale_ue8m0 : bool
         Round each group scale up to a power of two.
+    is_sf_swizzled_layout : bool
+        NVFP4 block scales in the FP4 GEMMs' 128 x 4 swizzled layout (True) or row-major.
     lse_base : {"e", 2}
         Base of every LSE in and out.
 
@@ -163,6 +169,7 @@ def merge_attn_states(
     output_block_scale: Any = None,
     quant_group_size: int | None = None,
     scale_ue8m0: bool = False,
+    is_sf_swizzled_layout: bool = True,
     quant_scale_ue8m0: bool = False,
     sinks: Any = None,
     lse_base: Any = "e",
@@ -195,6 +202,8 @@ def merge_attn_states(
     quant_group_size : int, optional
         As for :func:`merge_state`: the group scales come back as a third result.
     scale_ue8m0 : bool
+        As for :func:`merge_state`.
+    is_sf_swizzled_layout : bool
         As for :func:`merge_state`.
     quant_scale_ue8m0 : bool
         vLLM's name for ``scale_ue8m0``.
@@ -293,6 +302,7 @@ def merge_states(
     output_block_scale: Any = None,
     quant_group_size: int | None = None,
     scale_ue8m0: bool = False,
+    is_sf_swizzled_layout: bool = True,
 ) -> tuple:
     """Merge ``num_states`` attention states of the same tokens in one pass (JAX arrays).
 
@@ -315,6 +325,8 @@ def merge_states(
     quant_group_size : int, optional
         As for :func:`merge_state`.
     scale_ue8m0 : bool
+        As for :func:`merge_state`.
+    is_sf_swizzled_layout : bool
         As for :func:`merge_state`.
 
     Returns
@@ -356,6 +368,7 @@ def merge_states_varlen(
     output_block_scale: Any = None,
     quant_group_size: int | None = None,
     scale_ue8m0: bool = False,
+    is_sf_swizzled_layout: bool = True,
 ) -> tuple:
     """Merge a ragged batch: token ``t`` owns rows ``indptr[t]:indptr[t + 1]`` (JAX arrays).
 
@@ -388,6 +401,8 @@ def merge_states_varlen(
     quant_group_size : int, optional
         As for :func:`merge_state`.
     scale_ue8m0 : bool
+        As for :func:`merge_state`.
+    is_sf_swizzled_layout : bool
         As for :func:`merge_state`.
 
     Returns

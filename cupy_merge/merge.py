@@ -35,6 +35,7 @@ def merge_attn_states(
     quant_scale_ue8m0: bool = False,
     *,
     scale_ue8m0: bool = False,
+    is_sf_swizzled_layout: bool = True,
     sinks: Array | None = None,
     lse_base: LseBase = "e",
     stream: Stream = None,
@@ -53,6 +54,11 @@ def merge_attn_states(
         bfloat16 from float32 partials), or FP8 ``float8_e4m3fn`` with a scale
         (CuPy: ``uint8`` holding its bytes). May be the very same array as
         ``prefix_output`` or ``suffix_output``; must not overlap anything else.
+        Or NVFP4: ``[num_tokens, num_heads, head_size // 2]`` of torch's
+        ``float4_e2m1fn_x2`` (or ``uint8``, as vLLM gives it: two e2m1 values a
+        byte, the first in the low nibble), with ``output_scale`` its global scale
+        and ``output_block_scale`` its float8_e4m3fn block scales (see
+        :doc:`/nvfp4`).
     prefix_output : DeviceArray
         ``[num_tokens, num_heads, head_size]``, float32, float16 or bfloat16.
     prefix_lse : DeviceArray
@@ -76,12 +82,19 @@ def merge_attn_states(
         uses the scale of the replay). ``output`` gets
         ``clamp(v / scale, -448, 448)`` rounded to nearest even (NaN stays NaN),
         computed as ``v * (1 / scale)``. It must be positive and finite.
+        An NVFP4 output's global scale (``448 * 6 / amax``, multiplied as vLLM's
+        ``scaled_fp4_quant`` and FlashInfer's ``fp4_quantize`` take it).
     output_block_scale : DeviceArray, optional
         An FP8 output's per-group scales, written: float32
         ``[num_tokens, num_heads * head_size // quant_group_size]``, any strides.
         A group is ``quant_group_size`` consecutive elements of a token's heads;
         its scale is ``max(max|v|, 1e-10) / 448`` and its elements get
         ``v / scale`` as above. Needs each value array's heads back to back.
+        An NVFP4 output's block scales, written: float8_e4m3fn (CuPy: uint8), one
+        per 16 values of a token's heads, in the 128 x 4 swizzled layout of the FP4
+        GEMMs, ``[ceil(num_tokens / 128) * 128, ceil(num_heads * head_size / 64) * 4]``
+        with its padding zeroed, or ``[num_tokens, num_heads * head_size // 16]``
+        with ``is_sf_swizzled_layout=False``.
     quant_group_size : int, optional
         Elements per group scale, a divisor of ``head_size`` (128 is common);
         required with ``output_block_scale``.
@@ -89,6 +102,9 @@ def merge_attn_states(
         The name vLLM gives ``scale_ue8m0``, in vLLM's position.
     scale_ue8m0 : bool
         Round each group scale up to a power of two (UE8M0, as DeepGEMM reads them).
+    is_sf_swizzled_layout : bool
+        NVFP4 block scales in the swizzled layout (True, FlashInfer's and vLLM's
+        default) or row-major (False).
     sinks : DeviceArray, optional
         Attention sinks, float32 ``[num_heads]``: each head's logit counted once in
         the denominator, ``lse = log(exp(s_p) + exp(s_s) + exp(sink))``; the output
@@ -138,6 +154,7 @@ def merge_attn_states(
         quant_group_size=quant_group_size,
         scale_ue8m0=scale_ue8m0,
         quant_scale_ue8m0=quant_scale_ue8m0,
+        is_sf_swizzled_layout=is_sf_swizzled_layout,
     )
     operands = TwoStateOperands(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, None,
                                 sinks, output_scale, output_block_scale)  # fmt: skip
@@ -158,6 +175,7 @@ def merge_state(
     output_block_scale: Array | None = None,
     quant_group_size: int | None = None,
     scale_ue8m0: bool = False,
+    is_sf_swizzled_layout: bool = True,
     lse_base: LseBase = "e",
     stream: Stream = None,
 ) -> tuple[Array, Array]:
@@ -187,17 +205,21 @@ def merge_state(
         allocated if omitted; may be ``s_a`` or ``s_b``.
     out_dtype : str or dtype, optional
         Dtype of an allocated ``out`` (``"bfloat16"``, ``torch.float16``,
-        ``"float8_e4m3fn"``, ...); the input dtype by default. Must match ``out``
-        when both are given.
+        ``"float8_e4m3fn"``, ``"nvfp4"``, ...); the input dtype by default. Must
+        match ``out`` when both are given.
     sinks : DeviceArray, optional
         Attention sinks, float32 ``[num_heads]``, as for :func:`merge_attn_states`.
     output_scale : DeviceArray, optional
-        An FP8 output's per-tensor scale, as for :func:`merge_attn_states`.
+        An FP8 output's per-tensor scale or an NVFP4 output's global scale, as for
+        :func:`merge_attn_states`.
     output_block_scale : DeviceArray, optional
-        An FP8 output's per-group scales, written; as for :func:`merge_attn_states`.
+        An FP8 output's per-group scales or an NVFP4 output's block scales,
+        written; as for :func:`merge_attn_states`.
     quant_group_size : int, optional
         As for :func:`merge_attn_states`.
     scale_ue8m0 : bool
+        As for :func:`merge_attn_states`.
+    is_sf_swizzled_layout : bool
         As for :func:`merge_attn_states`.
     lse_base : {"e", 2}
         Base of every LSE in and out.
@@ -241,6 +263,7 @@ def merge_state(
         output_block_scale=output_block_scale,
         quant_group_size=quant_group_size,
         scale_ue8m0=scale_ue8m0,
+        is_sf_swizzled_layout=is_sf_swizzled_layout,
     )
     operands = TwoStateOperands(out, out_lse, v_a, s_a, v_b, s_b, None, sinks, output_scale, output_block_scale)
     return _dispatch.call(_ops.MERGE_STATE, options, operands, stream)

@@ -24,6 +24,7 @@ def merge_states(
     output_block_scale: Array | None = None,
     quant_group_size: int | None = None,
     scale_ue8m0: bool = False,
+    is_sf_swizzled_layout: bool = True,
     stream: Stream = None,
 ) -> tuple[Array, Array]:
     """Merge ``num_states`` attention states of the same tokens in one pass over memory.
@@ -52,19 +53,24 @@ def merge_states(
         Base of the LSE in and out: natural log (vLLM) or base 2 (FlashInfer).
     out_dtype : str or dtype, optional
         Dtype of an allocated ``out``, e.g. bfloat16 from float32 partials, or
-        ``"float8_e4m3fn"`` with a scale.
+        ``"float8_e4m3fn"`` with a scale, or ``"nvfp4"`` with its scales
+        (``[num_tokens, num_heads, head_size // 2]``: two values a byte).
     sinks : DeviceArray, optional
         Attention sinks, float32 ``[num_heads]`` natural-log logits, each counted
         once in its head's denominator (a state of value 0 and LSE ``sink``); no
         states then give 0 and LSE ``sink``.
     output_scale : DeviceArray, optional
-        An FP8 output's per-tensor scale, as for :func:`cupy_merge.merge_attn_states`.
+        An FP8 output's per-tensor scale or an NVFP4 output's global scale, as for
+        :func:`cupy_merge.merge_attn_states`.
     output_block_scale : DeviceArray, optional
-        An FP8 output's per-group scales, written; as for :func:`cupy_merge.merge_attn_states`.
+        An FP8 output's per-group scales or an NVFP4 output's block scales, written; as
+        for :func:`cupy_merge.merge_attn_states`.
     quant_group_size : int, optional
         As for :func:`cupy_merge.merge_attn_states`.
     scale_ue8m0 : bool
         As for :func:`cupy_merge.merge_attn_states`.
+    is_sf_swizzled_layout : bool
+        As for :func:`cupy_merge.merge_attn_states` (NVFP4 block scales' layout).
     stream : Stream
         As for :func:`cupy_merge.merge_attn_states`.
 
@@ -101,6 +107,7 @@ def merge_states(
         output_block_scale=output_block_scale,
         quant_group_size=quant_group_size,
         scale_ue8m0=scale_ue8m0,
+        is_sf_swizzled_layout=is_sf_swizzled_layout,
     )
     operands = ManyStateOperands(out, out_lse, v, s, None, sinks, output_scale, output_block_scale)
     return _dispatch.call(_ops.MERGE_STATES, options, operands, stream)
@@ -121,6 +128,7 @@ def merge_states_varlen(
     output_block_scale: Array | None = None,
     quant_group_size: int | None = None,
     scale_ue8m0: bool = False,
+    is_sf_swizzled_layout: bool = True,
     stream: Stream = None,
 ) -> tuple[Array, Array]:
     """Merge a ragged batch: token ``t`` owns rows ``indptr[t]:indptr[t + 1]`` of ``v`` and ``s``.
@@ -160,6 +168,8 @@ def merge_states_varlen(
         As for :func:`merge_states`.
     scale_ue8m0 : bool
         As for :func:`merge_states`.
+    is_sf_swizzled_layout : bool
+        As for :func:`merge_states`.
     stream : Stream
         As for :func:`cupy_merge.merge_attn_states`.
 
@@ -192,6 +202,7 @@ def merge_states_varlen(
         output_block_scale=output_block_scale,
         quant_group_size=quant_group_size,
         scale_ue8m0=scale_ue8m0,
+        is_sf_swizzled_layout=is_sf_swizzled_layout,
     )
     operands = ManyStateOperands(out, out_lse, v, s, indptr, sinks, output_scale, output_block_scale)
     return _dispatch.call(_ops.MERGE_STATES_VARLEN, options, operands, stream)

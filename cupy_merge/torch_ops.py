@@ -70,9 +70,10 @@ _OPTION_TYPES = {
     "scale_ue8m0": "bool",
     "quant_scale_ue8m0": "bool",
     "check_indptr": "bool",
+    "is_sf_swizzled_layout": "bool",
 }
-#: Options that only mean something with the FP8 group scales, an operand the functional ops do not take.
-_WITH_WRITTEN = frozenset({"quant_group_size", "scale_ue8m0", "quant_scale_ue8m0"})
+#: Options that only mean something with the FP8 or NVFP4 block scales, an operand the functional ops do not take.
+_WITH_WRITTEN = frozenset({"quant_group_size", "scale_ue8m0", "quant_scale_ue8m0", "is_sf_swizzled_layout"})
 #: The outputs an ``*_out`` op takes first.
 _OUTPUTS = ("out", "out_lse")
 
@@ -321,6 +322,8 @@ def _option_argument(name: str, options: Any, torch: Any) -> Any:
         return bool(options.scale_ue8m0)
     if name == "quant_scale_ue8m0":
         return False  # given as scale_ue8m0
+    if name == "is_sf_swizzled_layout":
+        return options.swizzled_scales
     return options.check_indptr
 
 

@@ -32,6 +32,7 @@ from cupy_merge._operands import BackwardOperands, TwoStateOperands, TwoStateOpt
 from cupy_merge._ops import MERGE_STATE
 
 FP8 = "float8_e4m3fn"
+NVFP4 = "float4_e2m1fn_x2"
 
 
 def _has_cuda() -> bool:
@@ -84,7 +85,13 @@ def _numpy_merge(call: cmj.HostCall, buffers: tuple) -> None:
     if getattr(specs, "mask", None) is not None:  # the kernel reads and writes the masked tokens alone
         written = view("mask").astype(bool)
     out = view("out")
-    if specs.out.dtype == FP8:
+    if specs.out.dtype == NVFP4:
+        packed, scales = reference.quantize_nvfp4(
+            want.reshape(len(want), -1), float(view("output_scale").reshape(-1)[0]), swizzled=options.swizzled_scales
+        )
+        out[written] = packed.reshape(out.shape)[written]
+        view("output_block_scale")[...] = scales.view(np.uint8)
+    elif specs.out.dtype == FP8:
         if specs.output_scale is not None:
             quantised = reference.quantize_fp8(want, float(view("output_scale").reshape(-1)[0]))
         else:

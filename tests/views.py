@@ -14,7 +14,7 @@ from cupy_merge import _addresses, _dispatch, _tuning
 from cupy_merge import _catalogue as cat
 from cupy_merge._arrays import ArrayView
 
-ITEMSIZE = {"bfloat16": 2, "bool": 1, "float8_e4m3fn": 1}
+ITEMSIZE = {"bfloat16": 2, "bool": 1, "float8_e4m3fn": 1, "float4_e2m1fn_x2": 1}
 
 
 def contiguous_strides(shape):

@@ -1,7 +1,7 @@
 """python -m cupy_merge.bench: every merge of the library against a copy of the same bytes, in one table.
 
 Each row is one case (cupy_merge/tools/bench_cases.py lists them): two-way, N-way and ragged
-merges, FP8 outputs (per-tensor and group scales), the same with attention sinks, and the
+merges, FP8 outputs (per-tensor and group scales), NVFP4 outputs, the same with attention sinks, and the
 gradients. All times are CUDA-event medians in microseconds, after warm-up, with the L2 flushed
 before each repetition (cupy_merge/tools/timing.py), measured in one run:
 
@@ -13,7 +13,8 @@ before each repetition (cupy_merge/tools/timing.py), measured in one run:
   compiled_us      that formula through torch.compile (two-way; --no-compile skips it)
   graph_us         the merge replayed from a torch CUDA graph (two-way): no host cost
   chained_us       an N-way merge as chained two-way merges (up to 64 states)
-  unfused_us       FP8: a merge to bfloat16, then a separate one-pass per-tensor quantisation
+  unfused_us       FP8: a merge to bfloat16, then a separate one-pass per-tensor quantisation;
+                   NVFP4: the same with a one-pass NVFP4 quantisation (a thread a block of 16)
   baseline_us      sinks rows: the same merge without sinks, timed alternately with it; gradient
                    rows: the gradients without the merge's results (S recomputed from the LSEs)
   overhead_pct     100 * (merge_us - baseline_us) / baseline_us, the sinks' cost (gradients: below 0,

@@ -21,6 +21,7 @@ FAMILIES = (
     "ragged",
     "fp8",
     "fp8-group",
+    "nvfp4",
     "two-way+sinks",
     "n-way+sinks",
     "ragged+sinks",
@@ -61,7 +62,7 @@ class Case:
     def kind(self) -> str:
         """``two-way``, ``n-way``, ``ragged`` or ``fp8``: the merge the family times."""
         base = self.family.split("+")[0].removesuffix("-bwd")
-        return "fp8" if base.startswith("fp8") else base
+        return "fp8" if base.startswith("fp8") or base == "nvfp4" else base
 
     @property
     def sinks(self) -> bool:
@@ -97,6 +98,8 @@ class Case:
             parts.append("->e4m3")
         elif self.family == "fp8-group":
             parts.append(f"->e4m3 g{FP8_GROUP}")
+        elif self.family == "nvfp4":
+            parts.append("->nvfp4")
         return " ".join(parts)
 
 
@@ -125,11 +128,17 @@ def traffic_bytes(case: Case) -> int:
     * backward: the states, the merged result's gradient (values and LSE) read, one gradient
       per stored state written: ``2 * rows + tokens`` states' worth;
     * FP8: two bfloat16 states and the float32 scale read, FP8 values and the float32 LSE
-      written; group-scaled: plus one float32 scale per 128 elements written.
+      written; group-scaled: plus one float32 scale per 128 elements written;
+    * NVFP4: the same with half a byte a value, and one e4m3 scale per 16 values written (the
+      swizzled layout's padding too).
     """
     state = case.heads * (case.head_size * case.itemsize + LSE_ITEMSIZE)
     rows, tokens = case.rows, case.tokens
     indptr = (tokens + 1) * INDPTR_ITEMSIZE if case.kind == "ragged" else 0
+    if case.family == "nvfp4":
+        elements = tokens * case.heads * case.head_size
+        lse = tokens * case.heads * LSE_ITEMSIZE
+        return elements * 2 * case.itemsize + elements // 2 + nvfp4_scale_bytes(case) + 3 * lse + 4
     if case.kind == "fp8":
         elements = tokens * case.heads * case.head_size
         lse = tokens * case.heads * LSE_ITEMSIZE
@@ -141,6 +150,12 @@ def traffic_bytes(case: Case) -> int:
         return (2 * rows + tokens) * state + indptr
     sinks = case.heads * 4 if case.sinks else 0
     return (rows + tokens) * state + indptr + sinks
+
+
+def nvfp4_scale_bytes(case: Case) -> int:
+    """An NVFP4 case's swizzled block scales: rows padded to 128, blocks to 4."""
+    blocks = case.heads * case.head_size // 16
+    return -(-case.tokens // 128) * 128 * -(-blocks // 4) * 4
 
 
 def flashinfer_supports(case: Case) -> bool:
@@ -178,7 +193,7 @@ QUICK_N_WAY = [(16, 64), (4, 4096), (1024, 1), (256, 8)]
 # (mean states per token, tokens): ragged at 32 heads of 128.
 RAGGED = [(8, 1024), (16, 4096), (100, 64), (100, 512), (200, 64), (200, 512)]
 QUICK_RAGGED = [(8, 1024), (200, 64)]
-# (tokens, heads, head_size): bfloat16 in, FP8 out; 128 heads as vLLM's measurement of its fused op.
+# (tokens, heads, head_size): bfloat16 in, FP8 (or NVFP4) out; 128 heads as vLLM's measurement of its fused op.
 FP8 = [(1, 128, 128), (64, 32, 128), (1024, 128, 128), (4096, 32, 128), (8192, 32, 128), (16384, 32, 128)]
 QUICK_FP8 = [(1, 128, 128), (1024, 128, 128), (8192, 32, 128)]
 # Sinks: each case timed with and without, in the same run.
@@ -220,7 +235,7 @@ def all_cases(quick: bool = False) -> list[Case]:
     cases = [_two_way(shape) for shape in (QUICK_TWO_WAY if quick else TWO_WAY)]
     cases += [Case("n-way", t, states=s) for s, t in (QUICK_N_WAY if quick else N_WAY)]
     cases += [Case("ragged", t, states=m) for m, t in (QUICK_RAGGED if quick else RAGGED)]
-    for family in ("fp8", "fp8-group"):
+    for family in ("fp8", "fp8-group", "nvfp4"):
         cases += [Case(family, *shape) for shape in (QUICK_FP8 if quick else FP8)]
     cases += QUICK_SINKS if quick else SINKS
     cases += QUICK_BACKWARD if quick else BACKWARD

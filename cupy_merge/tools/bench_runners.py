@@ -11,6 +11,7 @@ else CuPy arrays; times come from cupy_merge/tools/timing.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import sys
@@ -367,11 +368,55 @@ extern "C" __global__ void quantise(const bfloat16_t* in, fp8_e4m3_t* out, const
 """
 
 
+_QUANTISE_NVFP4 = r"""
+#include "fp4.cuh"
+using namespace cupy_merge;
+// One thread a block of 16 values: two 16-byte loads, 8 bytes of codes and a scale byte written
+// (the swizzled layout; its padding left as it is). The merge's recipe, without its NaN rule.
+extern "C" __global__ void quantise_nvfp4(const bfloat16_t* in, unsigned char* out, unsigned char* scales,
+                                          const float* global_scale, long long blocks, int blocks_per_row,
+                                          int col_tiles) {
+  const long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (i >= blocks) return;
+  const Pack<bfloat16_t, 8>* from = reinterpret_cast<const Pack<bfloat16_t, 8>*>(in) + 2 * i;
+  const Pack<bfloat16_t, 8> low = load_pack(from), high = load_pack(from + 1);
+  float values[16];
+  float amax = 0.0f;
+  for (int k = 0; k < 8; ++k) {
+    values[k] = to_float(low.v[k]);
+    values[8 + k] = to_float(high.v[k]);
+    amax = fmaxf(amax, fmaxf(fabsf(values[k]), fabsf(values[8 + k])));
+  }
+  const float per_tensor = __fdiv_rn(1.0f, *global_scale);
+  const float scale = fminf(fmaxf(__fdiv_rn(__fdiv_rn(amax, kE2m1Max), per_tensor), kNvfp4ScaleFloor), kFp8Max);
+  const unsigned char bits = from_float<fp8_e4m3_t>(scale).bits;
+  const float reciprocal = __fdiv_rn(__fdiv_rn(1.0f, per_tensor), e4m3_value(bits));
+  Pack<unsigned char, 8> codes;
+  for (int k = 0; k < 8; ++k) {
+    codes.v[k] = static_cast<unsigned char>(e2m1_code(values[2 * k], reciprocal) |
+                                            (e2m1_code(values[2 * k + 1], reciprocal) << 4));
+  }
+  store_pack(reinterpret_cast<Pack<unsigned char, 8>*>(out) + i, codes);
+  const int row = static_cast<int>(i / blocks_per_row), block = static_cast<int>(i % blocks_per_row);
+  scales[((row >> 7) * col_tiles + (block >> 2)) * 512 + (row & 31) * 16 + ((row >> 5) & 3) * 4 + (block & 3)] = bits;
+}
+"""
+
+
 def quantiser():
     """A one-pass bfloat16 -> FP8 quantisation (16-byte loads, one thread per 8 elements)."""
     from .._kernels import with_includes
 
     return cupy.RawModule(code=with_includes(_QUANTISE), options=("-std=c++17",)).get_function("quantise")
+
+
+@functools.cache
+def nvfp4_quantiser():
+    """A one-pass bfloat16 -> NVFP4 quantisation, swizzled scales (one thread per 16 elements)."""
+    from .._kernels import with_includes
+
+    module = cupy.RawModule(code=with_includes(_QUANTISE_NVFP4), options=("-std=c++17",))
+    return module.get_function("quantise_nvfp4")
 
 
 def _torch_fp8(torch, v_a, s_a, v_b, s_b, scale, group: bool):
@@ -420,6 +465,37 @@ def _fp8(ctx: Context, case: Case) -> dict:
     return row
 
 
+def _nvfp4(ctx: Context, case: Case) -> dict:
+    """Two bfloat16 states merged into NVFP4 (CuPy arrays, swizzled scales): fused, and a merge to
+    bfloat16 followed by a separate one-pass NVFP4 quantisation."""
+    tokens, heads, head_size = case.tokens, case.heads, case.head_size
+    shape = (tokens, heads, head_size)
+    v_a, v_b = (
+        cupy.random.standard_normal(shape, dtype=cupy.float32).astype(cupy_dtype("bfloat16"))
+        for _ in range(2)
+    )
+    s_a, s_b = (cupy.random.standard_normal((heads, tokens), dtype=cupy.float32) * 4 for _ in range(2))
+    out_lse = cupy.empty((heads, tokens), cupy.float32)
+    out4 = cupy.empty((tokens, heads, head_size // 2), cupy.uint8)
+    out16 = cupy.empty_like(v_a)
+    blocks = heads * head_size // 16
+    col_tiles = -(-blocks // 4)
+    scales = cupy.zeros((-(-tokens // 128) * 128, col_tiles * 4), cupy.uint8)
+    global_scale = cupy.array([448 * 6 / 5.0], cupy.float32)
+    row = {"merge_us": _us(lambda: merge_attn_states(
+        out4, v_a, s_a, v_b, s_b, out_lse, output_scale=global_scale, output_block_scale=scales
+    ))}  # fmt: skip
+    quantise, count = nvfp4_quantiser(), tokens * blocks
+    arguments = (out16, out4, scales, global_scale, numpy.int64(count), numpy.int32(blocks), numpy.int32(col_tiles))
+
+    def unfused():
+        merge_attn_states(out16, v_a, s_a, v_b, s_b, out_lse)
+        quantise((-(-count // 256),), (256,), arguments)
+
+    row["unfused_us"] = _us(unfused)
+    return row
+
+
 #: Each family's measurement.
 RUNNERS: dict[str, Callable[[Context, Case], dict]] = {
     "two-way": _two_way,
@@ -427,6 +503,7 @@ RUNNERS: dict[str, Callable[[Context, Case], dict]] = {
     "ragged": _ragged,
     "fp8": _fp8,
     "fp8-group": _fp8,
+    "nvfp4": _nvfp4,
     "two-way+sinks": _two_way_sinks,
     "n-way+sinks": _n_way_sinks,
     "ragged+sinks": _ragged_sinks,
