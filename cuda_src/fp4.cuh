@@ -37,12 +37,16 @@ constexpr float kE2m1Max = 6.0f;
 constexpr float kNvfp4ScaleFloor = 0.015625f;  // 2^-6, the smallest normal e4m3 (torchao's floor)
 
 // The e2m1 code of x * reciprocal: sign in bit 3, then the index of the nearest of
-// 0, 0.5, 1, 1.5, 2, 3, 4, 6 (ties to the even index; beyond 6, 6). Each comparison
-// is with a midpoint, strict where the index below it is the even one.
+// 0, 0.5, 1, 1.5, 2, 3, 4, 6 (ties to the even index; beyond 6, 6). The grid is uniform in
+// three stretches: steps of 0.5 below 2 (indices 2m), of 1 to 4 (m + 2), of 2 to 6 (m / 2 + 4).
+// m times the stretch's power of two is exact, and one rounding of it plus 1.5 * 2^23 to an
+// integer rounds it to nearest even, leaving the integer in the low mantissa bits.
 __device__ __forceinline__ unsigned e2m1_code(float x, float reciprocal) {
   const float scaled = __fmul_rn(x, reciprocal);
-  const float m = fabsf(scaled);
-  const unsigned index = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) + (m >= 3.5f) + (m > 5.0f);
+  const float m = fminf(fabsf(scaled), kE2m1Max);
+  const float step = m < 2.0f ? 2.0f : m < 4.0f ? 1.0f : 0.5f;
+  const unsigned first = m < 2.0f ? 0u : m < 4.0f ? 2u : 4u;
+  const unsigned index = (__float_as_uint(__fmaf_rn(m, step, 12582912.0f)) & 7u) + first;
   return index | ((__float_as_uint(scaled) >> 28) & 8u);
 }
 
@@ -67,52 +71,86 @@ __device__ __forceinline__ int fp4_scale_offset(const BlockScales& g, int row, i
   return ((row >> 7) * g.col_tiles + (block >> 2)) * 512 + (row & 31) * 16 + ((row >> 5) & 3) * 4 + (block & 3);
 }
 
-// The NVFP4 epilogue of a packed kernel: the block's scale from every contributing thread's
-// merged pack, written by the block's first thread (`contributes`: a merged row of this
-// thread), and the swizzled layout's padding zeroed by the first threads of the blocks of
-// every real row (`pads`: a valid pack, whatever its mask), so that the scales read as the
-// reference writes them. Every thread of the CUDA block must call it (see group_abs_max).
+// The lanes of this thread's warp that exist (a block's last warp may be partial).
+__device__ __forceinline__ unsigned warp_lanes() {
+  const unsigned linear = threadIdx.x + threadIdx.y * blockDim.x;
+  const unsigned left = blockDim.x * blockDim.y - (linear & ~31u);
+  return left >= 32 ? 0xffffffffu : (1u << left) - 1u;
+}
+
+// The NVFP4 epilogue of a packed kernel: the block's scale from its 16 / VEC threads' merged
+// packs (consecutive lanes of one warp: the host sizes blocks in whole groups along x), written
+// by the block's first thread (`contributes`: a merged row of this thread), and the swizzled
+// layout's padding zeroed by the first threads of the blocks of every real row (`pads`: a valid
+// pack, whatever its mask), so that the scales read as the reference writes them. Every thread
+// of the warp must call it (the lanes exchange their maxima).
 template <int VEC>
 __device__ __forceinline__ Fp4Scale quantise_fp4_group(const float (&merged)[VEC], const BlockScales& g,
-                                                       unsigned* group_max, bool contributes, bool pads, int token,
-                                                       int within, int packs_per_token, const float* global_scale) {
-  const int slot = fast_divide(threadIdx.x, g.multiplier, g.shift);
-  const bool leader = threadIdx.x == slot * g.packs_per_group;
-  const float amax = group_abs_max(merged, group_max, slot, leader && pads, contributes);
-  const float per_tensor = __fdiv_rn(1.0f, *global_scale);
+                                                       bool contributes, bool pads, int token, int within,
+                                                       int packs_per_token, const float* global_scale) {
+  constexpr int kPacks = VEC >= 16 ? 1 : 16 / VEC;
+  unsigned local = 0;  // magnitudes as bits compared as integers: a NaN wins
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) local = max(local, __float_as_uint(merged[k]) & 0x7fffffffu);
+  if (!contributes) local = 0;
+  const unsigned lanes = warp_lanes();
+#pragma unroll
+  for (int offset = 1; offset < kPacks; offset <<= 1) local = max(local, __shfl_xor_sync(lanes, local, offset));
+  const float amax = __uint_as_float(local);
+  const float gs = *global_scale;
+  const float per_tensor = __fdiv_rn(1.0f, gs);
   // A global scale that is not positive and finite (or whose reciprocal is not) makes every block NaN.
-  const bool bad_global = !(*global_scale > 0.0f && *global_scale < positive_infinity() && per_tensor < positive_infinity());
+  const bool bad_global = !(gs > 0.0f && gs < positive_infinity() && per_tensor < positive_infinity());
   Fp4Scale q;
   q.nan = is_nan(amax) || bad_global;
-  float scale = __fdiv_rn(__fdiv_rn(amax, kE2m1Max), per_tensor);
-  scale = fminf(fmaxf(scale, kNvfp4ScaleFloor), kFp8Max);
+  const float scale = fminf(fmaxf(__fdiv_rn(__fdiv_rn(amax, kE2m1Max), per_tensor), kNvfp4ScaleFloor), kFp8Max);
   const unsigned char bits = q.nan ? 0x7fu : from_float<fp8_e4m3_t>(scale).bits;
   q.reciprocal = __fdiv_rn(__fdiv_rn(1.0f, per_tensor), e4m3_value(bits));
-  unsigned char* scales = reinterpret_cast<unsigned char*>(g.scales);
-  const int block = fast_divide(within, g.multiplier, g.shift);
-  if (leader && contributes) scales[fp4_scale_offset(g, token, block)] = bits;
-  if (leader && pads && g.col_tiles != 0) {
-    const bool last_block = within + g.packs_per_group >= packs_per_token;
-    const int padded_blocks = g.col_tiles * 4;
-    const int blocks = block + 1;  // when last_block: the row's blocks
-    for (int row = token; row < g.padded_rows; row += g.rows) {
-      if (row != token) scales[fp4_scale_offset(g, row, block)] = 0;
-      if (last_block) {
-        for (int pad = blocks; pad < padded_blocks; ++pad) scales[fp4_scale_offset(g, row, pad)] = 0;
+  const bool leader = threadIdx.x % kPacks == 0;
+  if (leader && pads) {
+    unsigned char* scales = static_cast<unsigned char*>(g.scales);
+    const int block = within / kPacks;
+    if (contributes) scales[fp4_scale_offset(g, token, block)] = bits;
+    if (g.col_tiles != 0) {
+      const bool last_block = within + kPacks >= packs_per_token;
+      const int padded_blocks = g.col_tiles * 4;
+      for (int row = token; row < g.padded_rows; row += g.rows) {
+        if (row != token) scales[fp4_scale_offset(g, row, block)] = 0;
+        if (last_block) {
+          for (int pad = block + 1; pad < padded_blocks; ++pad) scales[fp4_scale_offset(g, row, pad)] = 0;
+        }
       }
     }
   }
   return q;
 }
 
-// A pack of merged values as e2m1 codes, two a byte, the first in the low nibble.
+// The word a pack's codes are built in: 64 bits for 16 values, else 32.
+template <int VEC>
+struct Fp4Word {
+  using type = unsigned;
+};
+template <>
+struct Fp4Word<16> {
+  using type = unsigned long long;
+};
+
+// A pack of merged values as e2m1 codes, two a byte, the first in the low nibble: built in
+// one word and stored whole.
 template <int VEC>
 __device__ __forceinline__ OutputPack<nvfp4x2_t, VEC> fp4_pack(const float (&merged)[VEC], const Fp4Scale& q) {
-  OutputPack<nvfp4x2_t, VEC> out;
+  static_assert(VEC == 2 || VEC == 4 || VEC == 8 || VEC == 16, "an NVFP4 pack is one to eight bytes");
+  using Word = typename Fp4Word<VEC>::type;
+  Word word = 0;
 #pragma unroll
-  for (int k = 0; k < VEC / 2; ++k) {
-    const unsigned low = e2m1_code(merged[2 * k], q.reciprocal), high = e2m1_code(merged[2 * k + 1], q.reciprocal);
-    out.v[k].bits = q.nan ? 0 : static_cast<unsigned char>(low | (high << 4));
+  for (int k = 0; k < VEC; ++k) word |= static_cast<Word>(e2m1_code(merged[k], q.reciprocal)) << (4 * k);
+  if (q.nan) word = 0;
+  OutputPack<nvfp4x2_t, VEC> out;
+  if constexpr (VEC >= 8) {
+    *reinterpret_cast<Word*>(out.v) = word;  // the pack is aligned to its 4 or 8 bytes
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC / 2; ++k) out.v[k].bits = static_cast<unsigned char>(word >> (8 * k));
   }
   return out;
 }

@@ -417,8 +417,8 @@ __global__ void merge_many_states_packed(
                                 packs_per_group, group_multiplier, group_shift, scale_ue8m0,
                                 block_scale_col_tiles, block_scale_rows, block_scale_padded_rows};
     if constexpr (kIsNvfp4<TOut>) {
-      const Fp4Scale q = quantise_fp4_group(merged, scales, group_max, writes, writes, token, within, packs_per_token,
-                                            output_scale);
+      const Fp4Scale q =
+          quantise_fp4_group(merged, scales, writes, writes, token, within, packs_per_token, output_scale);
       if (!writes) return;
       store_pack(reinterpret_cast<OutPack*>(out) + token * out_stride_token + within, fp4_pack(merged, q));
       inverse_scale = 0.0f;

@@ -263,7 +263,7 @@ __global__ void merge_two_states_packed(
                                 block_scale_col_tiles, block_scale_rows, block_scale_padded_rows};
     if constexpr (kIsNvfp4<TOut>) {
       const Fp4Scale q =
-          quantise_fp4_group(merged, scales, group_max, active, valid, at.token, at.within, packs_per_token, output_scale);
+          quantise_fp4_group(merged, scales, active, valid, at.token, at.within, packs_per_token, output_scale);
       if (!active) return;
       store_pack(to, fp4_pack(merged, q));
     } else {

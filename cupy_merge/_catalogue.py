@@ -248,12 +248,20 @@ INDEX_TYPES = ("int", "long long")
 
 def vector_widths(in_dtype: str, out_dtype: str) -> tuple[int, ...]:
     """Pack widths by the narrower dtype; an FP8 output's by its input (16-byte loads, 4-8 byte
-    stores), an NVFP4 output's too but at least 2 (a whole byte of two values)."""
-    if out_dtype == NVFP4:
-        return tuple(vec for vec in VECTOR_WIDTHS[ITEMSIZES[in_dtype]] if vec >= 2)
+    stores); an NVFP4 output's a whole block of 16 values first (a thread its scale alone), then
+    as FP8's but at least 2 (a whole byte of two values)."""
+    if out_dtype == NVFP4:  # a thread a whole block of 16 where it can: no exchange between threads
+        return (NVFP4_BLOCK, *(vec for vec in VECTOR_WIDTHS[ITEMSIZES[in_dtype]] if vec >= 2))
     if out_dtype == FP8:
         return VECTOR_WIDTHS[ITEMSIZES[in_dtype]]
     return VECTOR_WIDTHS[min(ITEMSIZES[in_dtype], ITEMSIZES[out_dtype])]
+
+
+def many_widths(in_dtype: str, out_dtype: str) -> tuple[int, ...]:
+    """The N-way kernels' pack widths: an NVFP4 output's without the whole block of 16 values a
+    thread (107 registers there against 48 in the two-way kernel; ptxas, session 27)."""
+    widths = vector_widths(in_dtype, out_dtype)
+    return widths[1:] if out_dtype == NVFP4 else widths
 
 
 def full_pack(in_dtype: str, out_dtype: str) -> int:
@@ -321,7 +329,7 @@ def module_instances(module: Module) -> list[str]:
             ]
         return [
             MANY_PACKED.instance(TIn=a, TOut=b, VEC=vec, SPLIT=split, RAGGED=ragged, GROUPED=True, SINKS=sinks)
-            for vec in widths
+            for vec in many_widths(a, b)
             for split in (False, True)
             for ragged in (False, True)
         ]

@@ -415,7 +415,7 @@ def plan_many_states(
     group_size = _group_size(specs, options)
     grouped = group_size is not None
     module = cat.Module(cat.MANY_STATES_SOURCE, state.dtype, out.dtype, specs.sinks is not None, tuning.compile_options)
-    widths = cat.vector_widths(state.dtype, out.dtype)
+    widths = cat.many_widths(state.dtype, out.dtype)
     vec = _vector_width([out, v], group_size or head_size, widths)
     if indptr is None:
         v_state, v_token, v_head = v.strides[:3]  # (state, token, head)

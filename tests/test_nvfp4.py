@@ -70,15 +70,21 @@ def test_the_swizzled_shape_pads_rows_to_128_and_blocks_to_4():
 
 
 @pytest.mark.parametrize(
-    "in_dtype, head_size, vec", [("bfloat16", 128, 8), ("float16", 64, 8), ("float32", 128, 4), ("bfloat16", 16, 8)]
-)
-def test_the_two_way_merge_plans_the_nvfp4_epilogue_with_swizzled_scales(in_dtype, head_size, vec):
-    arrays = _two_way(in_dtype, head_size, tokens=130)
+    "in_dtype, head_size, offset, vec",
+    [("bfloat16", 128, 0, 16), ("float16", 64, 0, 16), ("float32", 128, 0, 16), ("bfloat16", 16, 0, 16),
+     ("bfloat16", 128, 8, 4), ("float32", 64, 8, 2)],
+)  # fmt: skip
+def test_the_two_way_merge_plans_the_nvfp4_epilogue_with_swizzled_scales(in_dtype, head_size, offset, vec):
+    """A thread a whole block of 16 values where the inputs' alignment allows it, else lanes that
+    exchange their maxima."""
+    state = view((130, HEADS, head_size), in_dtype, ptr=(3 << 32) + offset)
+    arrays = _two_way(in_dtype, head_size, tokens=130, prefix_output=state)
     launch = _only(_planned(arrays))
     kernel, args = template(launch), arguments(launch)
     assert family(launch) is cat.TWO_PACKED
     assert kernel["TOut"] == "cupy_merge::nvfp4x2_t" and kernel["GROUPED"] == "true" and int(kernel["VEC"]) == vec
     assert args["packs_per_group"] == 16 // vec and launch.block[0] % args["packs_per_group"] == 0
+    assert launch.block[0] % 32 == 0  # whole warps: a block's lanes exchange their maxima by shuffles
     assert args["out_stride_token"] == HEADS * head_size // vec  # the output's packs are vec / 2 bytes
     blocks = HEADS * head_size // 16
     assert args["block_scale_col_tiles"] == -(-blocks // 4)
