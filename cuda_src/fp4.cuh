@@ -80,10 +80,10 @@ __device__ __forceinline__ unsigned warp_lanes() {
 
 // The NVFP4 epilogue of a packed kernel: the block's scale from its 16 / VEC threads' merged
 // packs (consecutive lanes of one warp: the host sizes blocks in whole groups along x), written
-// by the block's first thread (`contributes`: a merged row of this thread), and the swizzled
-// layout's padding zeroed by the first threads of the blocks of every real row (`pads`: a valid
-// pack, whatever its mask), so that the scales read as the reference writes them. Every thread
-// of the warp must call it (the lanes exchange their maxima).
+// by the block's first thread (`contributes`: a merged row of this thread), which also zeroes
+// its row's padded columns in the swizzled layout when it holds the row's last block (`pads`: a
+// valid pack, whatever its mask). Every thread of the warp must call it (the lanes exchange
+// their maxima). The padded rows are zero_padding_rows' job.
 template <int VEC>
 __device__ __forceinline__ Fp4Scale quantise_fp4_group(const float (&merged)[VEC], const BlockScales& g,
                                                        bool contributes, bool pads, int token, int within,
@@ -111,18 +111,24 @@ __device__ __forceinline__ Fp4Scale quantise_fp4_group(const float (&merged)[VEC
     unsigned char* scales = static_cast<unsigned char*>(g.scales);
     const int block = within / kPacks;
     if (contributes) scales[fp4_scale_offset(g, token, block)] = bits;
-    if (g.col_tiles != 0) {
-      const bool last_block = within + kPacks >= packs_per_token;
-      const int padded_blocks = g.col_tiles * 4;
-      for (int row = token; row < g.padded_rows; row += g.rows) {
-        if (row != token) scales[fp4_scale_offset(g, row, block)] = 0;
-        if (last_block) {
-          for (int pad = block + 1; pad < padded_blocks; ++pad) scales[fp4_scale_offset(g, row, pad)] = 0;
-        }
-      }
+    if (g.col_tiles != 0 && within + kPacks >= packs_per_token) {  // the row's last block: its padded columns
+      for (int pad = block + 1; pad < g.col_tiles * 4; ++pad) scales[fp4_scale_offset(g, token, pad)] = 0;
     }
   }
   return q;
+}
+
+// The swizzled layout's padded rows (from g.rows up to g.padded_rows, all in the last tile row)
+// zeroed a 4-byte word at a time: a word holds one row's four scales of a column tile. Thread p
+// of `threads` takes every threads-th word of that tile row, in memory order (coalesced).
+__device__ __forceinline__ void zero_padding_rows(const BlockScales& g, int p, int threads) {
+  if (g.col_tiles == 0 || g.padded_rows == g.rows) return;
+  const int first_row = g.rows & ~127;
+  unsigned* words = static_cast<unsigned*>(g.scales) + (first_row >> 7) * g.col_tiles * 128;
+  for (int w = p; w < g.col_tiles * 128; w += threads) {
+    const int in_tile = w & 127;  // 4 * (row % 32) + (row % 128) / 32
+    if (first_row + (in_tile & 3) * 32 + (in_tile >> 2) >= g.rows) words[w] = 0;
+  }
 }
 
 // The word a pack's codes are built in: 64 bits for 16 values, else 32.

@@ -419,6 +419,7 @@ __global__ void merge_many_states_packed(
     if constexpr (kIsNvfp4<TOut>) {
       const Fp4Scale q =
           quantise_fp4_group(merged, scales, writes, writes, token, within, packs_per_token, output_scale);
+      if (writes) zero_padding_rows(scales, p, total_packs);
       if (!writes) return;
       store_pack(reinterpret_cast<OutPack*>(out) + token * out_stride_token + within, fp4_pack(merged, q));
       inverse_scale = 0.0f;

@@ -561,6 +561,11 @@ def _check_nvfp4(specs, names, options, state: StateShape, value_fields: tuple[s
             f"{name}: swizzled block scales are C-contiguous tiles, got strides {block_scale.strides}; pass a "
             f"fresh array, or is_sf_swizzled_layout=False for row-major scales of any strides"
         )
+    if swizzled and block_scale.align < 4:  # the padding is zeroed four scales at a time
+        raise ValueError(
+            f"{name}: expected swizzled block scales at a 4-byte aligned address, got one aligned to "
+            f"{block_scale.align}; pass a fresh array"
+        )
     _expect_block_scale_arrays(specs, names, state, value_fields)
 
 

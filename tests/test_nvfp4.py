@@ -162,6 +162,8 @@ def _bad_cases():
         ({"output_block_scale": view(swizzled, "uint8", ptr=8 << 32, strides=(1, 128))}, {}, ValueError,
          "^output_block_scale: swizzled block scales are C-contiguous tiles"),
         ({"output_block_scale": view(swizzled, "uint8", ptr=2 << 32)}, {}, ValueError, "^output_block_scale: overlaps output_lse"),
+        ({"output_block_scale": view(swizzled, "uint8", ptr=(8 << 32) + 2)}, {}, ValueError,
+         "^output_block_scale: expected swizzled block scales at a 4-byte aligned address"),
         ({"output": view((TOKENS, HEADS, HEAD_SIZE), NVFP4, ptr=1 << 32)}, {}, ValueError,
          "^output: expected shape \\(6, 4, 64\\) \\(\\[num_tokens, num_heads, head_size // 2\\] of prefix_output: two values a byte\\)"),
         ({}, {"group_size": 32}, ValueError, "^quant_group_size: NVFP4 has a scale per 16 values, got 32"),
