@@ -36,18 +36,24 @@ using OutputPack = typename OutputPackOf<TOut, VEC>::type;
 constexpr float kE2m1Max = 6.0f;
 constexpr float kNvfp4ScaleFloor = 0.015625f;  // 2^-6, the smallest normal e4m3 (torchao's floor)
 
-// The e2m1 code of x * reciprocal: sign in bit 3, then the index of the nearest of
-// 0, 0.5, 1, 1.5, 2, 3, 4, 6 (ties to the even index; beyond 6, 6). The grid is uniform in
-// three stretches: steps of 0.5 below 2 (indices 2m), of 1 to 4 (m + 2), of 2 to 6 (m / 2 + 4).
-// m times the stretch's power of two is exact, and one rounding of it plus 1.5 * 2^23 to an
-// integer rounds it to nearest even, leaving the integer in the low mantissa bits.
+// The index of the e2m1 magnitude nearest m in [0, 6], ties to the even index: of 0, 0.5, 1,
+// 1.5, 2, 3, 4, 6. Indices follow m on three lines, 2m below 2, m + 2 to 4, m / 2 + 4 to 6, so
+// the index is the least of the three lines rounded to an integer (rounding to nearest even
+// commutes with the least). Each line is one exact multiply-add onto 1.5 * 2^23, whose single
+// rounding leaves the integer in the low mantissa bits: three FMAs and two minima.
+__device__ __forceinline__ unsigned e2m1_index(float m) {
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: a unit in its last place is 1
+  const float low = __fmaf_rn(m, 2.0f, kRound);
+  const float middle = __fmaf_rn(m, 1.0f, kRound + 2.0f);
+  const float high = __fmaf_rn(m, 0.5f, kRound + 4.0f);
+  return __float_as_uint(fminf(fminf(low, middle), high)) - __float_as_uint(kRound);
+}
+
+// The e2m1 code of x * reciprocal: the sign in bit 3, the index of its nearest magnitude
+// (beyond 6, 6) below it.
 __device__ __forceinline__ unsigned e2m1_code(float x, float reciprocal) {
   const float scaled = __fmul_rn(x, reciprocal);
-  const float m = fminf(fabsf(scaled), kE2m1Max);
-  const float step = m < 2.0f ? 2.0f : m < 4.0f ? 1.0f : 0.5f;
-  const unsigned first = m < 2.0f ? 0u : m < 4.0f ? 2u : 4u;
-  const unsigned index = (__float_as_uint(__fmaf_rn(m, step, 12582912.0f)) & 7u) + first;
-  return index | ((__float_as_uint(scaled) >> 28) & 8u);
+  return e2m1_index(fminf(fabsf(scaled), kE2m1Max)) | ((__float_as_uint(scaled) >> 28) & 8u);
 }
 
 // A normal e4m3 byte's value (the block scales are clamped to [2^-6, 448] before rounding).
@@ -131,32 +137,33 @@ __device__ __forceinline__ void zero_padding_rows(const BlockScales& g, int p, i
   }
 }
 
-// The word a pack's codes are built in: 64 bits for 16 values, else 32.
-template <int VEC>
-struct Fp4Word {
-  using type = unsigned;
-};
-template <>
-struct Fp4Word<16> {
-  using type = unsigned long long;
-};
-
-// A pack of merged values as e2m1 codes, two a byte, the first in the low nibble: built in
-// one word and stored whole.
+// A pack of merged values as e2m1 codes, two a byte, the first in the low nibble: eight codes
+// a 32-bit word (an index added at its nibble, the sign or-ed into the nibble's top bit), the
+// words stored whole.
 template <int VEC>
 __device__ __forceinline__ OutputPack<nvfp4x2_t, VEC> fp4_pack(const float (&merged)[VEC], const Fp4Scale& q) {
   static_assert(VEC == 2 || VEC == 4 || VEC == 8 || VEC == 16, "an NVFP4 pack is one to eight bytes");
-  using Word = typename Fp4Word<VEC>::type;
-  Word word = 0;
+  constexpr int kWords = (VEC + 7) / 8;
+  unsigned words[kWords];
 #pragma unroll
-  for (int k = 0; k < VEC; ++k) word |= static_cast<Word>(e2m1_code(merged[k], q.reciprocal)) << (4 * k);
-  if (q.nan) word = 0;
+  for (int w = 0; w < kWords; ++w) words[w] = 0;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    const float scaled = __fmul_rn(merged[k], q.reciprocal);
+    const int shift = 4 * (k % 8);
+    words[k / 8] += e2m1_index(fminf(fabsf(scaled), kE2m1Max)) << shift;
+    words[k / 8] |= (__float_as_uint(scaled) >> (28 - shift)) & (8u << shift);
+  }
   OutputPack<nvfp4x2_t, VEC> out;
-  if constexpr (VEC >= 8) {
-    *reinterpret_cast<Word*>(out.v) = word;  // the pack is aligned to its 4 or 8 bytes
-  } else {
 #pragma unroll
-    for (int k = 0; k < VEC / 2; ++k) out.v[k].bits = static_cast<unsigned char>(word >> (8 * k));
+  for (int w = 0; w < kWords; ++w) {
+    const unsigned word = q.nan ? 0u : words[w];
+    if constexpr (VEC >= 8) {
+      reinterpret_cast<unsigned*>(out.v)[w] = word;  // the pack is aligned to its 4 or 8 bytes
+    } else {
+#pragma unroll
+      for (int k = 0; k < VEC / 2; ++k) out.v[k].bits = static_cast<unsigned char>(word >> (8 * k));
+    }
   }
   return out;
 }

@@ -288,3 +288,26 @@ def test_jax_refuses_gradients_of_an_nvfp4_merge(jax_stand_in, rng):
     loss = lambda v_a: cmj.merge_state(v_a, *states[1:], out_dtype="nvfp4", output_scale=1.0)[1].sum()
     with pytest.raises(TypeError, match="an NVFP4 \\(float4_e2m1fn_x2\\) output is not differentiable"):
         jax.grad(loss)(states[0])
+
+
+def test_the_kernels_e2m1_rounding_identity_holds_near_every_midpoint_and_breakpoint():
+    """cuda_src/fp4.cuh rounds m in [0, 6] to its e2m1 index as the least of three lines (2m, m + 2,
+    m / 2 + 4), each one multiply-add onto 1.5 * 2^23. Mirrored here in float32 (the products are
+    exact, so one float32 addition is the FMA's one rounding) against the reference's rounding,
+    on every float32 within 4,096 units in the last place of each midpoint, breakpoint and end
+    (session 27 checked all 1,086,324,737 float32 values in [0, 6])."""
+    from cupy_merge._reference_formats import _e2m1_codes
+
+    magic = np.float32(1.5 * 2**23)
+
+    def index(m):
+        low = m * np.float32(2) + magic
+        middle = m + np.float32(magic + 2)
+        high = m * np.float32(0.5) + np.float32(magic + 4)
+        return np.minimum(np.minimum(low, middle), high).view(np.uint32) - magic.view(np.uint32)
+
+    points = np.array([0.0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6], np.float32)
+    bits = (points.view(np.int32)[:, None] + np.arange(-4096, 4097, dtype=np.int32)).ravel()
+    m = bits.view(np.float32)
+    m = m[(m >= 0) & (m <= 6)]
+    assert np.array_equal(index(m), (_e2m1_codes(m) & 7).astype(np.uint32))
