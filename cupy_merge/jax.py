@@ -124,7 +124,9 @@ def merge_state(
         The merged LSE, float32 ``[num_heads, num_tokens]``.
     scales : jax.Array
         Only with ``quant_group_size``: float32 ``[num_tokens, num_heads * head_size //
-        quant_group_size]``, the scale of each group (``v * scale`` dequantises).
+        quant_group_size]``, the scale of each group (``v * scale`` dequantises). With
+        ``out_dtype="nvfp4"``: the block scales' float8_e4m3fn bytes as uint8, swizzled (or
+        row-major with ``is_sf_swizzled_layout=False``; see :func:`cupy_merge.merge_attn_states`).
 
     Raises
     ------

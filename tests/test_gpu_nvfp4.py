@@ -36,7 +36,9 @@ def _bytes(array) -> np.ndarray:
     """An NVFP4 output or its scales (torch float4/float8/uint8, CuPy uint8) as NumPy uint8."""
     if hasattr(array, "detach"):
         return array.detach().view(_torch().uint8).cpu().numpy()
-    return cupy.asnumpy(array.view(cupy.uint8))
+    if isinstance(array, cupy.ndarray):
+        return cupy.asnumpy(array.view(cupy.uint8))
+    return np.asarray(array).view(np.uint8)  # JAX
 
 
 def _lse(rng, *shape):
@@ -300,6 +302,33 @@ def test_bind_and_torch_compile_write_the_same_bytes(rng):
     out, scales, _ = _nvfp4_buffers(tokens, heads, head_size, backend="torch")
     merge(out, scales, v_a, s_a, v_b, s_b, scale)
     _expect_bit_exact(out, scales, _host32(merged32), 12.0)
+
+
+def test_jax_writes_nvfp4_under_jit_and_vmap(rng):
+    jax = pytest.importorskip("jax")
+    import cupy_merge.jax as cmj
+
+    if not any(device.platform == "gpu" for device in jax.devices()):
+        pytest.skip("JAX without a GPU")
+    batch, tokens, heads, head_size = 2, 9, 4, 64
+    states = [_states(rng, tokens, heads, head_size, "float32") for _ in range(batch)]
+    merged = []
+    for v_a, s_a, v_b, s_b in states:
+        merged32 = _float32_out((tokens, heads, head_size))
+        cm.merge_attn_states(merged32, v_a, s_a, v_b, s_b)
+        merged.append(cupy.asnumpy(merged32))
+    global_scale = _calibrated(np.stack(merged))
+    stacked = [jax.numpy.asarray(np.stack([cupy.asnumpy(state[i]) for state in states])) for i in range(4)]
+
+    def merge(*x):
+        return cmj.merge_state(*x, out_dtype="nvfp4", output_scale=global_scale)
+
+    v, _, scales = jax.jit(merge)(*(x[0] for x in stacked))
+    assert v.dtype == np.uint8 and v.shape == (tokens, heads, head_size // 2)
+    _expect_bit_exact(v, scales, merged[0], global_scale)
+    v, _, scales = jax.jit(jax.vmap(merge))(*stacked)
+    for element in range(batch):
+        _expect_bit_exact(v[element], scales[element], merged[element], global_scale)
 
 
 def test_bit_for_bit_with_torchao_on_the_merged_values(rng):
