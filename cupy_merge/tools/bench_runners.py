@@ -429,18 +429,23 @@ def _torch_fp8(torch, v_a, s_a, v_b, s_b, scale, group: bool):
     return (groups / scales).to(torch.float8_e4m3fn), scales
 
 
+def _quantised_case_arrays(case: Case) -> tuple:
+    """A quantised-output case's two bfloat16 states, its LSE output and a bfloat16 output (the
+    unfused way's merge): ``(v_a, s_a, v_b, s_b, out_lse, out16)``."""
+    shape = (case.tokens, case.heads, case.head_size)
+    v_a, v_b = (
+        cupy.random.standard_normal(shape, dtype=cupy.float32).astype(cupy_dtype("bfloat16")) for _ in range(2)
+    )
+    s_a, s_b = (cupy.random.standard_normal((case.heads, case.tokens), dtype=cupy.float32) * 4 for _ in range(2))
+    return v_a, s_a, v_b, s_b, cupy.empty((case.heads, case.tokens), cupy.float32), cupy.empty_like(v_a)
+
+
 def _fp8(ctx: Context, case: Case) -> dict:
     """Two bfloat16 states merged into FP8 (CuPy arrays): fused, unfused, and torch's way."""
     tokens, heads, head_size = case.tokens, case.heads, case.head_size
     shape = (tokens, heads, head_size)
-    v_a, v_b = (
-        cupy.random.standard_normal(shape, dtype=cupy.float32).astype(cupy_dtype("bfloat16"))
-        for _ in range(2)
-    )
-    s_a, s_b = (cupy.random.standard_normal((heads, tokens), dtype=cupy.float32) * 4 for _ in range(2))
-    out_lse = cupy.empty((heads, tokens), cupy.float32)
+    v_a, s_a, v_b, s_b, out_lse, out16 = _quantised_case_arrays(case)
     out8 = cupy.empty(shape, cupy.uint8)
-    out16 = cupy.empty_like(v_a)
     scale = cupy.array([0.02], cupy.float32)
     group = case.family == "fp8-group"
     if group:
@@ -469,15 +474,8 @@ def _nvfp4(ctx: Context, case: Case) -> dict:
     """Two bfloat16 states merged into NVFP4 (CuPy arrays, swizzled scales): fused, and a merge to
     bfloat16 followed by a separate one-pass NVFP4 quantisation."""
     tokens, heads, head_size = case.tokens, case.heads, case.head_size
-    shape = (tokens, heads, head_size)
-    v_a, v_b = (
-        cupy.random.standard_normal(shape, dtype=cupy.float32).astype(cupy_dtype("bfloat16"))
-        for _ in range(2)
-    )
-    s_a, s_b = (cupy.random.standard_normal((heads, tokens), dtype=cupy.float32) * 4 for _ in range(2))
-    out_lse = cupy.empty((heads, tokens), cupy.float32)
+    v_a, s_a, v_b, s_b, out_lse, out16 = _quantised_case_arrays(case)
     out4 = cupy.empty((tokens, heads, head_size // 2), cupy.uint8)
-    out16 = cupy.empty_like(v_a)
     blocks = heads * head_size // 16
     col_tiles = -(-blocks // 4)
     scales = cupy.zeros((-(-tokens // 128) * 128, col_tiles * 4), cupy.uint8)
