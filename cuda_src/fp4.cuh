@@ -61,16 +61,16 @@ __device__ __forceinline__ float e4m3_value(unsigned char bits) {
   return __uint_as_float(((((bits >> 3) & 15u) + 120u) << 23) | ((bits & 7u) << 20));
 }
 
-// What a block's values are multiplied by before rounding; `nan`: the block (or the global
-// scale) is NaN, and every code of the block is 0.
+// What a block's values are multiplied by before rounding; `nan`: the block holds a NaN (or the
+// global scale is bad), its scale is NaN and every code of the block is 0.
 struct Fp4Scale {
   float reciprocal;
   bool nan;
 };
 
-// The scale byte of a block scale (an e4m3 offset into swizzled tiles or strides): row `row`,
-// block `block`. Swizzled (col_tiles > 0): CUTLASS's and cuBLAS's 128 x 4 tiles of 512 bytes,
-// tile (row / 128, block / 4) at 512 * (row / 128 * col_tiles + block / 4), and inside it
+// Where the scale byte of block `block` of row `row` (a token) lies: by strides, or swizzled
+// (col_tiles > 0) in CUTLASS's and cuBLAS's 128 x 4 tiles of 512 bytes, tile (row / 128,
+// block / 4) at 512 * (row / 128 * col_tiles + block / 4), and inside it
 // 16 * (row % 32) + 4 * (row % 128 / 32) + block % 4.
 __device__ __forceinline__ int fp4_scale_offset(const BlockScales& g, int row, int block) {
   if (g.col_tiles == 0) return row * g.stride_token + block * g.stride_group;
