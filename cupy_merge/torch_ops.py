@@ -38,6 +38,7 @@ from . import _arrays, _dispatch, _ops, _tuning
 from . import backward as _backward  # noqa: F401 - these attach the public functions to the declarations
 from . import merge as _merge  # noqa: F401
 from . import merge_many as _merge_many  # noqa: F401
+from ._catalogue import VALUES_PER_ELEMENT
 from ._operands import WRITTEN, BackwardOperands
 from ._torch_autograd import (
     function_arguments,
@@ -426,11 +427,13 @@ def _num_tokens(operation: _ops.Operation, operands: Any) -> Any:
 
 
 def _merged(torch: Any, operation: _ops.Operation, options: Any, operands: Any) -> tuple[Any, Any]:
-    """New C-contiguous outputs of a forward merge: values ``[T, H, D]`` and LSE ``[H, T]``."""
+    """New C-contiguous outputs of a forward merge: values ``[T, H, D]`` (NVFP4: ``[T, H, D // 2]``,
+    two values a byte) and LSE ``[H, T]``."""
     like = operands[2]  # v_a or v
     tokens = _num_tokens(operation, operands)
     dtype = like.dtype if options.out_dtype is None else getattr(torch, options.out_dtype)
-    values = torch.empty((tokens, like.shape[-2], like.shape[-1]), dtype=dtype, device=like.device)
+    row = like.shape[-1] // VALUES_PER_ELEMENT.get(options.out_dtype, 1)
+    values = torch.empty((tokens, like.shape[-2], row), dtype=dtype, device=like.device)
     return values, torch.empty((like.shape[-2], tokens), dtype=torch.float32, device=like.device)
 
 

@@ -303,6 +303,15 @@ def test_bind_and_torch_compile_write_the_same_bytes(rng):
     merge(out, scales, v_a, s_a, v_b, s_b, scale)
     _expect_bit_exact(out, scales, _host32(merged32), 12.0)
 
+    @torch.compile(fullgraph=True)
+    def allocating(scales, v_a, s_a, v_b, s_b, scale):  # the output allocated in the graph
+        return cm.merge_state(v_a, s_a, v_b, s_b, out_dtype="nvfp4", output_scale=scale, output_block_scale=scales)[0]
+
+    _, scales, _ = _nvfp4_buffers(tokens, heads, head_size, backend="torch")
+    v = allocating(scales, v_a, s_a, v_b, s_b, scale)
+    assert v.dtype == torch.float4_e2m1fn_x2 and tuple(v.shape) == (tokens, heads, head_size // 2)
+    _expect_bit_exact(v, scales, _host32(merged32), 12.0)
+
 
 def test_jax_writes_nvfp4_under_jit_and_vmap(rng):
     jax = pytest.importorskip("jax")

@@ -8,6 +8,14 @@ import numpy as np
 import pytest
 from views import arguments, bound_args, family, plan_checked, template, view
 
+try:  # the CPU stand-in of the kernels for torch's ops (the compile and export tests below)
+    from test_torch_ops import _cpu_library, cpu_kernels  # noqa: F401 - fixtures
+except (ImportError, pytest.skip.Exception):
+
+    @pytest.fixture
+    def cpu_kernels():
+        pytest.skip("torch is not installed")
+
 from cupy_merge import _catalogue as cat
 from cupy_merge import _checks, _options
 from cupy_merge._operands import ManyStateOperands, ManyStateOptions, TwoStateOptions
@@ -311,3 +319,67 @@ def test_the_kernels_e2m1_rounding_identity_holds_near_every_midpoint_and_breakp
     m = bits.view(np.float32)
     m = m[(m >= 0) & (m <= 6)]
     assert np.array_equal(index(m), (_e2m1_codes(m) & 7).astype(np.uint32))
+
+
+# -- torch.compile and torch.export with values, through the CPU stand-in of the kernels --------------
+
+
+def _torch_nvfp4_case(rng, swizzled=True, tokens=TOKENS, head_size=64):
+    torch = pytest.importorskip("torch")
+    v_a, v_b = (torch.from_numpy(rng.standard_normal((tokens, HEADS, head_size)).astype(np.float32)) for _ in range(2))
+    s_a, s_b = (torch.from_numpy((rng.standard_normal((HEADS, tokens)) * 3).astype(np.float32)) for _ in range(2))
+    out = torch.full((tokens, HEADS, head_size // 2), 0xAB, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    shape = _checks.nvfp4_scale_shape(tokens, HEADS * head_size // 16, swizzled)
+    scales = torch.full(shape, 0xAB, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    return (v_a, s_a, v_b, s_b), out, scales, torch.tensor([40.0])
+
+
+def _expect_torch_nvfp4(out, scales, states, global_scale, swizzled=True):
+    from cupy_merge import reference
+
+    want, _ = reference.merge_state(*(x.numpy().astype(np.float64) for x in states))
+    packed, want_scales = reference.quantize_nvfp4(want.reshape(len(want), -1), global_scale, swizzled=swizzled)
+    import torch
+
+    assert np.array_equal(out.view(torch.uint8).numpy().reshape(packed.shape), packed)
+    assert np.array_equal(scales.view(torch.uint8).numpy(), want_scales.view(np.uint8))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("swizzled", [True, False])
+def test_torch_compile_writes_nvfp4_through_the_registered_op(cpu_kernels, rng, backend, swizzled):
+    import torch
+
+    import cupy_merge as cm
+
+    states, out, scales, scale = _torch_nvfp4_case(rng, swizzled)
+
+    def merge(out, scales, v_a, s_a, v_b, s_b, scale):
+        cm.merge_attn_states(out, v_a, s_a, v_b, s_b, output_scale=scale, output_block_scale=scales,
+                             is_sf_swizzled_layout=swizzled)  # fmt: skip
+        return cm.merge_state(v_a, s_a, v_b, s_b)[1]
+
+    torch._dynamo.reset()
+    torch.compile(merge, backend=backend, fullgraph=True)(out, scales, *states, scale)
+    _expect_torch_nvfp4(out, scales, states, 40.0, swizzled)
+
+
+def test_torch_export_keeps_an_nvfp4_merge_and_runs_it(cpu_kernels, rng):
+    import torch
+
+    import cupy_merge as cm
+
+    states, _, scales, scale = _torch_nvfp4_case(rng)
+
+    class Tail(torch.nn.Module):
+        def forward(self, v_a, s_a, v_b, s_b, scale, scales):
+            v, _ = cm.merge_state(v_a, s_a, v_b, s_b, out_dtype="nvfp4", output_scale=scale,
+                                  output_block_scale=scales)  # fmt: skip
+            return v
+
+    program = torch.export.export(Tail(), (*states, scale, scales))
+    targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
+    assert any(target.startswith("cupy_merge.merge_state_out") for target in targets), targets
+    v = program.module()(*states, scale, scales)
+    assert v.dtype == torch.float4_e2m1fn_x2
+    _expect_torch_nvfp4(v, scales, states, 40.0)

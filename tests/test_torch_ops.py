@@ -82,8 +82,13 @@ def _base(lse_base):
     return 2 if lse_base == "2" else "e"
 
 
-def _quantised(v, dtype, scale=None, block=None, group=None, ue8m0=False):
-    """The values as the kernel writes them: ``dtype``, or FP8 by a per-tensor or per-group scale."""
+def _quantised(v, dtype, scale=None, block=None, group=None, ue8m0=False, swizzled=True):
+    """The values as the kernel writes them: ``dtype``, FP8 by a per-tensor or per-group scale, or
+    NVFP4 (its bytes; ``uint8`` beside one-byte block scales too) with its global scale."""
+    if dtype == torch.float4_e2m1fn_x2 or (dtype == torch.uint8 and block is not None and block.element_size() == 1):
+        packed, scales = reference.quantize_nvfp4(v.reshape(len(v), -1), float(scale.reshape(-1)[0]), swizzled=swizzled)
+        block.view(torch.uint8).copy_(torch.from_numpy(scales.view(np.uint8)))
+        return torch.from_numpy(packed.reshape(*v.shape[:-1], -1)).view(dtype)
     if dtype != FP8:
         return _tensor(v, dtype)
     if block is not None:
@@ -91,6 +96,14 @@ def _quantised(v, dtype, scale=None, block=None, group=None, ue8m0=False):
         block.copy_(_tensor(scales, torch.float32))
         return _tensor(q.astype(np.float32), FP8)
     return _tensor(reference.quantize_fp8(v, float(scale.reshape(-1)[0])).astype(np.float32), FP8)
+
+
+def _write(out, values):
+    """``out[...] = values``; NVFP4 bytes as bytes (torch does not copy between FP4 tensors)."""
+    if out.dtype == torch.float4_e2m1fn_x2:
+        out.view(torch.uint8).copy_(values.view(torch.uint8))
+    else:
+        out.copy_(values)
 
 
 def _two(v_a, s_a, v_b, s_b, sinks, lse_base):
@@ -103,24 +116,26 @@ def _cpu_merge_state(v_a, s_a, v_b, s_b, *, out_dtype=None, sinks=None, output_s
 
 
 def _cpu_merge_state_out(out, out_lse, v_a, s_a, v_b, s_b, *, out_dtype=None, sinks=None, output_scale=None,
-                         output_block_scale=None, quant_group_size=None, scale_ue8m0=False, lse_base="e"):  # fmt: skip
+                         output_block_scale=None, quant_group_size=None, scale_ue8m0=False, is_sf_swizzled_layout=True,
+                         lse_base="e"):  # fmt: skip
     v, s = _two(v_a, s_a, v_b, s_b, sinks, lse_base)
-    out.copy_(_quantised(v, out.dtype, output_scale, output_block_scale, quant_group_size, scale_ue8m0))
+    _write(out, _quantised(v, out.dtype, output_scale, output_block_scale, quant_group_size, scale_ue8m0,
+                           is_sf_swizzled_layout))  # fmt: skip
     out_lse.copy_(_tensor(s, torch.float32))
 
 
 def _cpu_merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
                            prefill_tokens_with_context=None, output_scale=None, output_block_scale=None,
-                           quant_group_size=None, quant_scale_ue8m0=False, *, scale_ue8m0=False, sinks=None,
-                           lse_base="e"):  # fmt: skip
+                           quant_group_size=None, quant_scale_ue8m0=False, *, scale_ue8m0=False,
+                           is_sf_swizzled_layout=True, sinks=None, lse_base="e"):  # fmt: skip
     v, s = _two(prefix_output, prefix_lse, suffix_output, suffix_lse, sinks, lse_base)
     cut = prefill_tokens_with_context
     if cut is not None:  # tokens past the cut take the suffix (with the sinks: merged with them alone)
         suffix_v, suffix_s = reference.merge_states(_np(suffix_output)[None, cut:], _np(suffix_lse)[None, :, cut:],
                                                     _base(lse_base), sinks=_np(sinks))  # fmt: skip
         v[cut:], s[:, cut:] = suffix_v, suffix_s
-    output.copy_(_quantised(v, output.dtype, output_scale, output_block_scale, quant_group_size,
-                            scale_ue8m0 or quant_scale_ue8m0))  # fmt: skip
+    _write(output, _quantised(v, output.dtype, output_scale, output_block_scale, quant_group_size,
+                              scale_ue8m0 or quant_scale_ue8m0, is_sf_swizzled_layout))  # fmt: skip
     if output_lse is not None:
         output_lse.copy_(_tensor(s, torch.float32))
 
@@ -144,9 +159,11 @@ def _cpu_merge_states(v, s, *, lse_base="e", out_dtype=None, sinks=None, output_
 
 
 def _cpu_merge_states_out(out, out_lse, v, s, *, lse_base="e", out_dtype=None, sinks=None, output_scale=None,
-                          output_block_scale=None, quant_group_size=None, scale_ue8m0=False):  # fmt: skip
+                          output_block_scale=None, quant_group_size=None, scale_ue8m0=False,
+                          is_sf_swizzled_layout=True):  # fmt: skip
     merged, lse = _many(v, s, None, sinks, lse_base)
-    out.copy_(_quantised(merged, out.dtype, output_scale, output_block_scale, quant_group_size, scale_ue8m0))
+    _write(out, _quantised(merged, out.dtype, output_scale, output_block_scale, quant_group_size, scale_ue8m0,
+                           is_sf_swizzled_layout))  # fmt: skip
     out_lse.copy_(_tensor(lse, torch.float32))
 
 
@@ -158,9 +175,10 @@ def _cpu_merge_states_varlen(v, s, indptr, *, lse_base="e", out_dtype=None, chec
 
 def _cpu_merge_states_varlen_out(out, out_lse, v, s, indptr, *, lse_base="e", out_dtype=None, check_indptr=True,
                                  sinks=None, output_scale=None, output_block_scale=None, quant_group_size=None,
-                                 scale_ue8m0=False):  # fmt: skip
+                                 scale_ue8m0=False, is_sf_swizzled_layout=True):  # fmt: skip
     merged, lse = _many(v, s, indptr, sinks, lse_base)
-    out.copy_(_quantised(merged, out.dtype, output_scale, output_block_scale, quant_group_size, scale_ue8m0))
+    _write(out, _quantised(merged, out.dtype, output_scale, output_block_scale, quant_group_size, scale_ue8m0,
+                           is_sf_swizzled_layout))  # fmt: skip
     out_lse.copy_(_tensor(lse, torch.float32))
 
 
