@@ -261,7 +261,7 @@ def check_outputs(
     out: ArraySpec, out_lse: ArraySpec | None, state: StateShape, out_name: str, out_lse_name: str, like: str
 ) -> None:
     """``out`` [tokens, heads, head_size] of any value dtype; ``out_lse`` float32 [heads, tokens]."""
-    shape = (state.num_tokens, state.num_heads, state.head_size)
+    shape, layout = (state.num_tokens, state.num_heads, state.head_size), f"{VALUES_LAYOUT} of {like}"
     expect_ndim(out, 3, out_name, VALUES_LAYOUT)
     expect_output_dtype(out, out_name)
     if out.dtype == NVFP4:
@@ -271,8 +271,8 @@ def check_outputs(
                 f"scale per {NVFP4_BLOCK} values), got head_size {state.head_size}"
             )
         shape = (state.num_tokens, state.num_heads, state.head_size // 2)
-        expect_shape(out, shape, out_name, f"[num_tokens, num_heads, head_size // 2] of {like}: two values a byte")
-    expect_shape(out, shape, out_name, f"{VALUES_LAYOUT} of {like}")
+        layout = f"[num_tokens, num_heads, head_size // 2] of {like}: two values a byte"
+    expect_shape(out, shape, out_name, layout)
     expect_unit_last_stride(out, out_name)
     expect_device(out, state.device, out_name, like)
     expect_aligned(out, out_name)
@@ -566,6 +566,15 @@ def _check_nvfp4(specs, names, options, state: StateShape, value_fields: tuple[s
             f"{name}: expected swizzled block scales at a 4-byte aligned address, got one aligned to "
             f"{block_scale.align}; pass a fresh array"
         )
+    for field in value_fields:  # a byte of output is two values: the kernels read at least pairs
+        spec, spec_name = getattr(specs, field), getattr(names, field)
+        odd = [stride for extent, stride in zip(spec.shape[:-1], spec.strides[:-1]) if extent > 1 and stride % 2]
+        if spec.align < 2 * spec.itemsize or odd:
+            raise ValueError(
+                f"{spec_name}: an NVFP4 output needs its values in pairs (two values a byte): an address aligned "
+                f"to {2 * spec.itemsize} bytes and even strides, got one aligned to {spec.align} and strides "
+                f"{spec.strides}; copy it into a fresh array"
+            )
     _expect_block_scale_arrays(specs, names, state, value_fields)
 
 

@@ -235,7 +235,7 @@ def _build_entry(cfg: _Config, avals: tuple) -> _Entry:
     })  # fmt: skip
     try:
         loose_plan: tuple | None = _dispatch.plan_specs(operation, options, tuning, loose, cfg.in_place).plan
-    except ValueError:  # an NVFP4 output needs its values aligned to pairs: aligned buffers only
+    except ValueError:  # an NVFP4 output needs its values aligned to pairs (_checks): aligned buffers only
         loose_plan = None
     index = {field: position for position, field in enumerate(cfg.fields)}
     index.update({field: len(cfg.fields) + position for position, (field, _, _) in enumerate(results)})

@@ -211,18 +211,6 @@ def _swizzled(specs: TwoStateOperands | ManyStateOperands, options: Any) -> bool
     return specs.out.dtype == cat.NVFP4 and options.swizzled_scales
 
 
-def _vector_width(values: list[ArraySpec], row: int, widths: tuple[int, ...]) -> int:
-    """:func:`choose_vector_width`, refusing the one width an NVFP4 output cannot take (a pack of
-    one value is half a byte): its arrays need alignment to two values."""
-    vec = choose_vector_width(values, row, widths)
-    if vec not in widths:
-        raise ValueError(
-            f"out: an NVFP4 output needs every value array aligned to two values (a whole byte of output); "
-            f"got arrays of shapes {[spec.shape for spec in values]} and strides {[spec.strides for spec in values]}"
-        )
-    return vec
-
-
 def _group_block(threads: int, packs_per_group: int, limit: int = CUDA_BLOCK_LIMIT) -> int:
     """A block of whole groups near ``threads`` threads (at most ``limit``): a group's packs share a block."""
     return packs_per_group * max(1, min(threads, limit) // packs_per_group)
@@ -307,7 +295,7 @@ def plan_two_states(
     grouped = group_size is not None
     module = cat.Module(cat.TWO_STATES_SOURCE, state.dtype, out.dtype, specs.sinks is not None, tuning.compile_options)
     widths = cat.vector_widths(state.dtype, out.dtype)
-    vec = _vector_width([out, v_a, v_b], group_size or head_size, widths)
+    vec = choose_vector_width([out, v_a, v_b], group_size or head_size, widths)
     merge_tokens = num_tokens if options.merge_tokens is None else min(options.merge_tokens, num_tokens)
     common = {
         "out": where.out, "out_lse": where.out_lse if out_lse is not None else 0,
@@ -416,7 +404,7 @@ def plan_many_states(
     grouped = group_size is not None
     module = cat.Module(cat.MANY_STATES_SOURCE, state.dtype, out.dtype, specs.sinks is not None, tuning.compile_options)
     widths = cat.many_widths(state.dtype, out.dtype)
-    vec = _vector_width([out, v], group_size or head_size, widths)
+    vec = choose_vector_width([out, v], group_size or head_size, widths)
     if indptr is None:
         v_state, v_token, v_head = v.strides[:3]  # (state, token, head)
         s_state, s_head, s_token = (_used(s, dim) for dim in range(3))  # (state, head, token)

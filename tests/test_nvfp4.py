@@ -178,6 +178,10 @@ def _bad_cases():
         ({}, {"scale_ue8m0": 1}, ValueError, "^scale_ue8m0: NVFP4 block scales are float8_e4m3fn"),
         ({"prefix_output": view((TOKENS, HEADS, HEAD_SIZE), "bfloat16", ptr=3 << 32, strides=(HEADS * 256, 256, 1))},
          {}, ValueError, "^output_block_scale: group scales need every value array's heads back to back"),
+        ({"prefix_output": view((TOKENS, HEADS, HEAD_SIZE), "bfloat16", ptr=(3 << 32) + 2)}, {}, ValueError,
+         "^prefix_output: an NVFP4 output needs its values in pairs .* aligned to 4 bytes"),
+        ({"suffix_output": view((TOKENS, HEADS, HEAD_SIZE), "bfloat16", ptr=5 << 32, strides=(HEADS * 129, 129, 1))},
+         {}, ValueError, "^suffix_output: an NVFP4 output needs its values in pairs"),
         ({"prefix_output": view((TOKENS, HEADS, HEAD_SIZE), NVFP4, ptr=3 << 32)}, {}, TypeError,
          "^prefix_output: expected dtype float32, float16 or bfloat16, got float4_e2m1fn_x2"),
     ]  # fmt: skip
@@ -259,7 +263,7 @@ def _expect_reference_nvfp4(got, got_scales, states, global_scale, swizzled=True
     from cupy_merge import reference
 
     want, _ = reference.merge_state(*(np.asarray(x, np.float64) for x in states))
-    packed, scales = reference.quantize_nvfp4(want.reshape(len(want), -1), global_scale, swizzled=swizzled)
+    packed, scales = reference.quantize_nvfp4(want.reshape(len(want), -1), global_scale, is_sf_swizzled_layout=swizzled)
     assert np.asarray(got).dtype == np.uint8 and np.array_equal(np.asarray(got).reshape(packed.shape), packed)
     assert np.array_equal(np.asarray(got_scales).view(np.uint8), scales.view(np.uint8))
 
@@ -338,7 +342,7 @@ def _expect_torch_nvfp4(out, scales, states, global_scale, swizzled=True):
     from cupy_merge import reference
 
     want, _ = reference.merge_state(*(x.numpy().astype(np.float64) for x in states))
-    packed, want_scales = reference.quantize_nvfp4(want.reshape(len(want), -1), global_scale, swizzled=swizzled)
+    packed, want_scales = reference.quantize_nvfp4(want.reshape(len(want), -1), global_scale, is_sf_swizzled_layout=swizzled)
     import torch
 
     assert np.array_equal(out.view(torch.uint8).numpy().reshape(packed.shape), packed)
