@@ -264,7 +264,7 @@ with _tuning.use(invariant):
 # swizzled scales' padding over 130 tokens (rows to 256, 3 blocks to 4), pairs-aligned inputs (vec 2).
 def nvfp4_check(label, out, scales, want, global_scale, swizzled=True):
     got = reference.dequantize_nvfp4(out.get().reshape(len(want), -1), scales.get(), global_scale,
-                                     (len(want), want[0].size), swizzled=swizzled)  # fmt: skip
+                                     (len(want), want[0].size), is_sf_swizzled_layout=swizzled)  # fmt: skip
     check(label, got.reshape(want.shape), want, 0.2)
 
 

@@ -109,7 +109,7 @@ _E2M1_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.flo
 
 
 def quantize_nvfp4(
-    v: ArrayLike, global_scale: float, *, swizzled: bool = True
+    v: ArrayLike, global_scale: float, *, is_sf_swizzled_layout: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
     """NVFP4 of ``v``: e2m1 values two a byte and a float8_e4m3fn scale per 16 values.
 
@@ -147,7 +147,7 @@ def quantize_nvfp4(
         The per-tensor quantisation scale, as vLLM's ``scaled_fp4_quant`` and
         FlashInfer's ``fp4_quantize`` take it (``448 * 6 / amax`` of the tensor
         uses the whole range): a positive finite float32 with a finite reciprocal.
-    swizzled : bool
+    is_sf_swizzled_layout : bool
         Block scales in the 128 x 4 swizzled layout of CUTLASS's and cuBLAS's FP4
         GEMMs (:func:`nvfp4_swizzled_scales`); False for row-major ``[rows, K // 16]``.
 
@@ -172,10 +172,10 @@ def quantize_nvfp4(
     >>> import numpy as np
     >>> from cupy_merge import reference
     >>> v = np.array([[3.0, -1.0, 0.5, 0.0] + [0.0] * 12])
-    >>> packed, scales = reference.quantize_nvfp4(v, 4.0, swizzled=False)
+    >>> packed, scales = reference.quantize_nvfp4(v, 4.0, is_sf_swizzled_layout=False)
     >>> packed[0, :2].tolist(), scales.astype(float).tolist()
     ([199, 2], [[2.0]])
-    >>> reference.dequantize_nvfp4(packed, scales, 4.0, v.shape, swizzled=False)[0, :4].tolist()
+    >>> reference.dequantize_nvfp4(packed, scales, 4.0, v.shape, is_sf_swizzled_layout=False)[0, :4].tolist()
     [3.0, -1.0, 0.5, 0.0]
     """
     import ml_dtypes
@@ -196,7 +196,7 @@ def quantize_nvfp4(
     codes[np.isnan(amax)] = 0
     codes = codes.reshape(rows, blocks * NVFP4_BLOCK)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    if swizzled:
+    if is_sf_swizzled_layout:
         return packed, nvfp4_swizzled_scales(scale_fp8)
     return packed, scale_fp8
 
@@ -207,7 +207,7 @@ def dequantize_nvfp4(
     global_scale: float,
     shape: tuple[int, ...],
     *,
-    swizzled: bool = True,
+    is_sf_swizzled_layout: bool = True,
 ) -> np.ndarray:
     """The values NVFP4 bytes stand for, in float64: ``e2m1 * block scale / global_scale``.
 
@@ -225,8 +225,9 @@ def dequantize_nvfp4(
         The quantisation's ``global_scale``.
     shape : tuple of int
         The shape of the quantised values, ``[..., K]``.
-    swizzled : bool
-        Whether ``scales`` are in the 128 x 4 swizzled layout.
+    is_sf_swizzled_layout : bool
+        Whether ``scales`` are in the 128 x 4 swizzled layout (the merges' keyword of the same
+        name, FlashInfer's and vLLM's).
 
     Returns
     -------
@@ -244,7 +245,7 @@ def dequantize_nvfp4(
     >>> from cupy_merge import reference
     >>> packed = np.full((1, 8), 0x1F, dtype=np.uint8)  # low nibble 0xF (-6), high 0x1 (0.5)
     >>> scales = np.full((1, 1), 0x38, dtype=np.uint8)  # e4m3 1.0
-    >>> reference.dequantize_nvfp4(packed, scales, 2.0, (16,), swizzled=False)[:2].tolist()
+    >>> reference.dequantize_nvfp4(packed, scales, 2.0, (16,), is_sf_swizzled_layout=False)[:2].tolist()
     [-3.0, 0.25]
     """
     import ml_dtypes
@@ -263,7 +264,7 @@ def dequantize_nvfp4(
         block_scales = block_scales.view(ml_dtypes.float8_e4m3fn)
     if block_scales.dtype != ml_dtypes.float8_e4m3fn:
         raise ValueError(f"scales: expected float8_e4m3fn (or its uint8 bits), got {block_scales.dtype}")
-    if swizzled:
+    if is_sf_swizzled_layout:
         block_scales = nvfp4_scales_from_swizzled(block_scales, rows, blocks)
     elif block_scales.shape != (rows, blocks):
         raise ValueError(

@@ -87,7 +87,7 @@ def _numpy_merge(call: cmj.HostCall, buffers: tuple) -> None:
     out = view("out")
     if specs.out.dtype == NVFP4:
         packed, scales = reference.quantize_nvfp4(
-            want.reshape(len(want), -1), float(view("output_scale").reshape(-1)[0]), swizzled=options.swizzled_scales
+            want.reshape(len(want), -1), float(view("output_scale").reshape(-1)[0]), is_sf_swizzled_layout=options.swizzled_scales
         )
         out[written] = packed.reshape(out.shape)[written]
         view("output_block_scale")[...] = scales.view(np.uint8)

@@ -48,7 +48,7 @@ def test_e2m1_rounds_to_nearest_with_ties_to_even_at_every_boundary(midpoint, ev
     above = np.nextafter(np.float32(midpoint), np.float32(7))
     lower = reference.E2M1_VALUES.index(max(m for m in reference.E2M1_VALUES if m < midpoint))
     x = one_block(midpoint, below, above, -midpoint, -below, -above)
-    packed, scales = reference.quantize_nvfp4(x[None], 1.0, swizzled=False)
+    packed, scales = reference.quantize_nvfp4(x[None], 1.0, is_sf_swizzled_layout=False)
     assert scales.astype(float).tolist() == [[1.0]]
     up = lower + 1
     assert codes_of(packed)[0, :7].tolist() == [7, even, lower, up, 8 | even, 8 | lower, 8 | up]
@@ -57,7 +57,7 @@ def test_e2m1_rounds_to_nearest_with_ties_to_even_at_every_boundary(midpoint, ev
 def test_every_e2m1_value_is_kept_exactly():
     magnitudes = list(reference.E2M1_VALUES)
     x = one_block(*magnitudes, *(-m for m in magnitudes[1:]))
-    packed, _ = reference.quantize_nvfp4(x[None], 1.0, swizzled=False)
+    packed, _ = reference.quantize_nvfp4(x[None], 1.0, is_sf_swizzled_layout=False)
     assert codes_of(packed)[0, :16].tolist() == [7, *range(8), *range(9, 16)]
 
 
@@ -65,11 +65,11 @@ def test_values_past_6_saturate():
     # amax / 6 = 1.0624 rounds down to the e4m3 scale 1.0, so the largest value scales to 6.37: saturated to 6.
     x = one_block(-6.3744, 6.2, 5.9)
     x[0] = 6.3744
-    packed, scales = reference.quantize_nvfp4(x[None], 1.0, swizzled=False)
+    packed, scales = reference.quantize_nvfp4(x[None], 1.0, is_sf_swizzled_layout=False)
     assert scales.astype(float).tolist() == [[1.0]]
     assert codes_of(packed)[0, :4].tolist() == [7, 15, 7, 7]
     # A block past what the largest scale (448) covers: every value saturates.
-    packed, scales = reference.quantize_nvfp4(np.full((1, 16), -1e6), 1.0, swizzled=False)
+    packed, scales = reference.quantize_nvfp4(np.full((1, 16), -1e6), 1.0, is_sf_swizzled_layout=False)
     assert scales.astype(float).tolist() == [[448.0]] and (codes_of(packed) == 15).all()
 
 
@@ -81,14 +81,14 @@ def test_the_block_scale_is_amax_over_6_times_the_global_scale_rounded_to_e4m3()
     # 3 mantissa bits: 8, 9, 10, ..., 15 are exact); 3.45 / 6 * 20 = 11.5 is a tie, to even: 12.
     x = np.zeros((3, 16))
     x[:, 0] = [3.0, 3.3, 3.45]
-    _, scales = reference.quantize_nvfp4(x, 20.0, swizzled=False)
+    _, scales = reference.quantize_nvfp4(x, 20.0, is_sf_swizzled_layout=False)
     assert scales.astype(float).ravel().tolist() == [10.0, 11.0, 12.0]
 
 
 def test_each_16_values_of_a_row_get_their_own_scale():
     x = np.zeros((2, 48))
     x[0, 5], x[0, 20], x[0, 47], x[1, 0] = 6.0, -12.0, 0.75, 3.0
-    packed, scales = reference.quantize_nvfp4(x, 1.0, swizzled=False)
+    packed, scales = reference.quantize_nvfp4(x, 1.0, is_sf_swizzled_layout=False)
     assert scales.astype(float).tolist() == [[1.0, 2.0, 0.125], [0.5, 2.0**-6, 2.0**-6]]
     codes = codes_of(packed)
     assert codes[0, 5] == 7 and codes[0, 20] == 15 and codes[0, 47] == 7 and codes[1, 0] == 7
@@ -100,17 +100,17 @@ def test_each_16_values_of_a_row_get_their_own_scale():
 def test_nan_makes_its_block_nan_and_leaves_the_others_alone():
     x = np.ones((1, 32))
     x[0, 3] = np.nan
-    packed, scales = reference.quantize_nvfp4(x, 1.0, swizzled=False)
+    packed, scales = reference.quantize_nvfp4(x, 1.0, is_sf_swizzled_layout=False)
     assert scale_bits(scales).tolist() == [[0x7F, 0x23]]  # NaN; 1 / 6 rounded to e4m3 (1.375 * 2**-3)
     assert (codes_of(packed)[0, :16] == 0).all()
-    out = reference.dequantize_nvfp4(packed, scales, 1.0, x.shape, swizzled=False)
+    out = reference.dequantize_nvfp4(packed, scales, 1.0, x.shape, is_sf_swizzled_layout=False)
     assert np.isnan(out[0, :16]).all() and np.isfinite(out[0, 16:]).all()
 
 
 def test_infinities_saturate_to_6_with_the_largest_scale():
     x = np.zeros((1, 16))
     x[0, :4] = [np.inf, -np.inf, 448.0 * 3, -1.0]
-    packed, scales = reference.quantize_nvfp4(x, 1.0, swizzled=False)
+    packed, scales = reference.quantize_nvfp4(x, 1.0, is_sf_swizzled_layout=False)
     assert scales.astype(float).tolist() == [[448.0]]
     # 1344 / 448 = 3; -1 / 448 rounds to -0, which keeps its sign.
     assert codes_of(packed)[0, :5].tolist() == [7, 15, 5, 8, 0]
@@ -120,10 +120,10 @@ def test_an_all_zero_block_gets_the_floor_scale_and_zeros_keeping_their_sign():
     x = np.zeros((1, 16))
     x[0, 1::2] = -0.0
     x[0, 2] = 1e-30  # a tiny value: its block's scale would be far below the floor
-    packed, scales = reference.quantize_nvfp4(x, 1.0, swizzled=False)
+    packed, scales = reference.quantize_nvfp4(x, 1.0, is_sf_swizzled_layout=False)
     assert scales.astype(float).tolist() == [[reference.NVFP4_SCALE_FLOOR]]
     assert codes_of(packed)[0].tolist() == [0, 8] * 8
-    out = reference.dequantize_nvfp4(packed, scales, 1.0, x.shape, swizzled=False)
+    out = reference.dequantize_nvfp4(packed, scales, 1.0, x.shape, is_sf_swizzled_layout=False)
     assert (out == 0).all() and np.signbit(out[0]).tolist() == [False, True] * 8
 
 
@@ -133,7 +133,7 @@ def test_a_bad_global_scale_is_refused_naming_it(bad):
         reference.quantize_nvfp4(np.ones((1, 16)), bad)
     with pytest.raises(ValueError, match="global_scale"):
         reference.dequantize_nvfp4(
-            np.zeros((1, 8), np.uint8), np.zeros((1, 1), np.uint8), bad, (1, 16), swizzled=False
+            np.zeros((1, 8), np.uint8), np.zeros((1, 1), np.uint8), bad, (1, 16), is_sf_swizzled_layout=False
         )
 
 
@@ -160,7 +160,7 @@ def test_dequantize_refuses_arrays_of_the_wrong_shape_or_dtype():
 
 def test_two_values_a_byte_the_first_in_the_low_nibble():
     x = one_block(0.5, -1.0, 1.5, 2.0, 3.0, -4.0, 0.0)
-    packed, _ = reference.quantize_nvfp4(x[None], 1.0, swizzled=False)
+    packed, _ = reference.quantize_nvfp4(x[None], 1.0, is_sf_swizzled_layout=False)
     # codes 7, 1 | 10, 3 | 4, 5 | 14, 0 | 0, ...: byte j = code(2j) | code(2j + 1) << 4
     assert packed.dtype == np.uint8 and packed.shape == (1, 8)
     assert packed[0].tolist() == [0x17, 0x3A, 0x54, 0x0E, 0, 0, 0, 0]
@@ -168,13 +168,13 @@ def test_two_values_a_byte_the_first_in_the_low_nibble():
 
 def test_leading_dimensions_are_rows():
     x = np.random.default_rng().standard_normal((3, 5, 32))
-    packed, scales = reference.quantize_nvfp4(x, 7.0, swizzled=False)
-    flat_packed, flat_scales = reference.quantize_nvfp4(x.reshape(15, 32), 7.0, swizzled=False)
+    packed, scales = reference.quantize_nvfp4(x, 7.0, is_sf_swizzled_layout=False)
+    flat_packed, flat_scales = reference.quantize_nvfp4(x.reshape(15, 32), 7.0, is_sf_swizzled_layout=False)
     assert packed.shape == (15, 16) and scales.shape == (15, 2)
     assert (packed == flat_packed).all() and (scale_bits(scales) == scale_bits(flat_scales)).all()
     np.testing.assert_array_equal(
-        reference.dequantize_nvfp4(packed, scales, 7.0, x.shape, swizzled=False),
-        reference.dequantize_nvfp4(flat_packed, flat_scales, 7.0, (15, 32), swizzled=False).reshape(x.shape),
+        reference.dequantize_nvfp4(packed, scales, 7.0, x.shape, is_sf_swizzled_layout=False),
+        reference.dequantize_nvfp4(flat_packed, flat_scales, 7.0, (15, 32), is_sf_swizzled_layout=False).reshape(x.shape),
     )
 
 
@@ -205,7 +205,7 @@ def test_the_swizzle_matches_the_layout_written_out_and_inverts(rows, cols):
 
 def test_quantize_writes_the_swizzled_scales_and_dequantize_reads_them():
     x = np.random.default_rng().standard_normal((130, 80))
-    packed, row_major = reference.quantize_nvfp4(x, 3.0, swizzled=False)
+    packed, row_major = reference.quantize_nvfp4(x, 3.0, is_sf_swizzled_layout=False)
     packed_too, swizzled = reference.quantize_nvfp4(x, 3.0)
     assert (packed == packed_too).all() and swizzled.dtype == E4M3 and swizzled.shape == (256, 8)
     np.testing.assert_array_equal(
@@ -213,7 +213,7 @@ def test_quantize_writes_the_swizzled_scales_and_dequantize_reads_them():
     )
     np.testing.assert_array_equal(
         reference.dequantize_nvfp4(packed, swizzled, 3.0, x.shape),
-        reference.dequantize_nvfp4(packed, row_major, 3.0, x.shape, swizzled=False),
+        reference.dequantize_nvfp4(packed, row_major, 3.0, x.shape, is_sf_swizzled_layout=False),
     )
     # uint8 bits are taken for the scales as well
     np.testing.assert_array_equal(
@@ -229,8 +229,8 @@ def assert_within_the_format(x: np.ndarray, global_scale: float) -> None:
     """Each value dequantises to within half an e2m1 step (at its scaled magnitude) of itself, the value
     rounded to float32 first, allowing float32's rounding of the scaling. Holds for blocks the largest
     scale covers (amax / 6 * global_scale <= 448, so that a block overflows 6 by 1 / 16 at most)."""
-    packed, scales = reference.quantize_nvfp4(x, global_scale, swizzled=False)
-    out = reference.dequantize_nvfp4(packed, scales, global_scale, x.shape, swizzled=False)
+    packed, scales = reference.quantize_nvfp4(x, global_scale, is_sf_swizzled_layout=False)
+    out = reference.dequantize_nvfp4(packed, scales, global_scale, x.shape, is_sf_swizzled_layout=False)
     x32 = x.astype(np.float32).astype(np.float64)
     g = float(np.float32(global_scale))
     step = np.repeat(scales.astype(np.float64) / g, 16, axis=-1).reshape(x.shape)  # dequantised e2m1 unit
@@ -248,8 +248,8 @@ def test_dequantised_values_are_within_the_format_error_of_the_input(magnitude):
     global_scale = 448.0 * 6.0 / np.abs(x).max()  # the whole e4m3 range, as the ecosystem calibrates it
     assert_within_the_format(x, global_scale)
     # and the error against float64 itself: at most an e2m1 step of the block's largest value, over 6
-    packed, scales = reference.quantize_nvfp4(x, global_scale, swizzled=False)
-    out = reference.dequantize_nvfp4(packed, scales, global_scale, x.shape, swizzled=False)
+    packed, scales = reference.quantize_nvfp4(x, global_scale, is_sf_swizzled_layout=False)
+    out = reference.dequantize_nvfp4(packed, scales, global_scale, x.shape, is_sf_swizzled_layout=False)
     amax = np.abs(x.reshape(x.shape[0], -1, 16)).max(axis=-1, keepdims=True)
     assert (np.abs(out - x).reshape(amax.shape[0], -1, 16) <= amax / 6 * (1 + 2.0**-4) * (1 + 1e-6)).all()
 
@@ -269,7 +269,7 @@ GLOBAL_SCALES = st.floats(2.0**-100, 2.0**100, width=32)
 @settings(max_examples=200, deadline=None)
 @given(hnp.arrays(np.float32, SHAPES, elements=FINITE), GLOBAL_SCALES)
 def test_any_finite_values_dequantise_within_the_format_or_saturate(x, global_scale):
-    packed, scales = reference.quantize_nvfp4(x, global_scale, swizzled=False)
+    packed, scales = reference.quantize_nvfp4(x, global_scale, is_sf_swizzled_layout=False)
     amax = np.abs(x.reshape(x.shape[0], -1, 16).astype(np.float64)).max(axis=-1)
     covered = amax / 6 * float(global_scale) <= 448 * (1 - 2.0**-20)
     scale = scales.astype(np.float64)
@@ -280,7 +280,7 @@ def test_any_finite_values_dequantise_within_the_format_or_saturate(x, global_sc
     rows = np.flatnonzero(covered.all(axis=1))
     if len(rows):
         assert_within_the_format(x[rows], float(global_scale))
-    out = reference.dequantize_nvfp4(packed, scales, global_scale, x.shape, swizzled=False)
+    out = reference.dequantize_nvfp4(packed, scales, global_scale, x.shape, is_sf_swizzled_layout=False)
     assert (np.abs(out) <= 6 * 448 / float(np.float32(global_scale)) * (1 + 1e-12)).all()
 
 
@@ -340,7 +340,7 @@ def test_bit_for_bit_with_torchao(rows, k, calibrated):
         global_scale = 448.0 * 6.0 / amax if calibrated else np.exp(rng.uniform(-20, 20)) / amax
         for swizzled in (False, True):
             theirs_packed, theirs_scales = torchao_quantize(x, global_scale, swizzled)
-            packed, scales = reference.quantize_nvfp4(x, global_scale, swizzled=swizzled)
+            packed, scales = reference.quantize_nvfp4(x, global_scale, is_sf_swizzled_layout=swizzled)
             np.testing.assert_array_equal(packed, theirs_packed)
             np.testing.assert_array_equal(scale_bits(scales).ravel(), theirs_scales.ravel())
 
@@ -354,7 +354,7 @@ def test_special_values_bit_for_bit_with_torchao_and_nan_blocks_by_their_scale()
     x[3, 40:48] = 1e30  # beyond the largest scale
     x[4, 33] = np.nan
     theirs_packed, theirs_scales = torchao_quantize(x, 5.0, False)
-    packed, scales = reference.quantize_nvfp4(x, 5.0, swizzled=False)
+    packed, scales = reference.quantize_nvfp4(x, 5.0, is_sf_swizzled_layout=False)
     np.testing.assert_array_equal(scale_bits(scales), theirs_scales)
     nan_block = np.zeros_like(packed, dtype=bool)
     nan_block[4, 16:24] = True  # torchao writes an artefact of its cast there; the NaN scale decides
@@ -381,6 +381,6 @@ def test_any_finite_values_bit_for_bit_with_torchao():
 @given(hnp.arrays(np.float32, SHAPES, elements=FINITE), GLOBAL_SCALES, st.booleans())
 def _any_finite_values_bit_for_bit_with_torchao(x, global_scale, swizzled):
     theirs_packed, theirs_scales = torchao_quantize(x, global_scale, swizzled)
-    packed, scales = reference.quantize_nvfp4(x, global_scale, swizzled=swizzled)
+    packed, scales = reference.quantize_nvfp4(x, global_scale, is_sf_swizzled_layout=swizzled)
     np.testing.assert_array_equal(packed, theirs_packed)
     np.testing.assert_array_equal(scale_bits(scales).ravel(), theirs_scales.ravel())

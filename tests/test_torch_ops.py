@@ -86,7 +86,7 @@ def _quantised(v, dtype, scale=None, block=None, group=None, ue8m0=False, swizzl
     """The values as the kernel writes them: ``dtype``, FP8 by a per-tensor or per-group scale, or
     NVFP4 (its bytes; ``uint8`` beside one-byte block scales too) with its global scale."""
     if dtype == torch.float4_e2m1fn_x2 or (dtype == torch.uint8 and block is not None and block.element_size() == 1):
-        packed, scales = reference.quantize_nvfp4(v.reshape(len(v), -1), float(scale.reshape(-1)[0]), swizzled=swizzled)
+        packed, scales = reference.quantize_nvfp4(v.reshape(len(v), -1), float(scale.reshape(-1)[0]), is_sf_swizzled_layout=swizzled)
         block.view(torch.uint8).copy_(torch.from_numpy(scales.view(np.uint8)))
         return torch.from_numpy(packed.reshape(*v.shape[:-1], -1)).view(dtype)
     if dtype != FP8:
