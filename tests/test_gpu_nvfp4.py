@@ -88,12 +88,19 @@ def _host32(array) -> np.ndarray:
     return cupy.asnumpy(array)
 
 
+def _merged32(v_a, s_a, v_b, s_b, backend="cupy", **options) -> np.ndarray:
+    """The same two-way merge written as float32 by the same kernel arithmetic, on the host."""
+    merged32 = _float32_out(tuple(v_a.shape), backend)
+    cm.merge_attn_states(merged32, v_a, s_a, v_b, s_b, **options)
+    return _host32(merged32)
+
+
 def _expect_bit_exact(out, scales, merged32, global_scale, swizzled=True):
     """NVFP4 bytes and scales against the reference quantisation of the float32 merge, per token
     row of ``num_heads * head_size`` values (the rows of the GEMM that reads them)."""
     merged32 = np.asarray(merged32, dtype=np.float32)
     tokens = merged32.shape[0]
-    want_packed, want_scales = reference.quantize_nvfp4(merged32.reshape(tokens, -1), global_scale, swizzled=swizzled)
+    want_packed, want_scales = reference.quantize_nvfp4(merged32.reshape(tokens, -1), global_scale, is_sf_swizzled_layout=swizzled)
     got_packed, got_scales = _bytes(out).reshape(tokens, -1), _bytes(scales)
     want_scales = want_scales.view(np.uint8)
     assert got_scales.shape == want_scales.shape
@@ -115,9 +122,9 @@ def _expect_near_float64(out, scales, want64, global_scale, swizzled=True):
     block's scale, plus the float32 merge's error."""
     tokens = want64.shape[0]
     got = reference.dequantize_nvfp4(_bytes(out).reshape(tokens, -1), _bytes(scales), global_scale,
-                                     (tokens, want64[0].size), swizzled=swizzled)  # fmt: skip
+                                     (tokens, want64[0].size), is_sf_swizzled_layout=swizzled)  # fmt: skip
     want = want64.reshape(tokens, -1)
-    _, row_scales = reference.quantize_nvfp4(want.astype(np.float32), global_scale, swizzled=False)
+    _, row_scales = reference.quantize_nvfp4(want.astype(np.float32), global_scale, is_sf_swizzled_layout=False)
     step = np.repeat(row_scales.astype(np.float64), 16, axis=1) / global_scale  # one e2m1 unit
     assert np.all(np.abs(got - want) <= 1.0 * step + 1e-5 * np.abs(want)), float(np.max(np.abs(got - want) / step))
 
@@ -151,29 +158,26 @@ def test_nvfp4_with_the_prefill_cut_lse_base_2_and_sinks(rng, options):
         options = {"sinks": cupy.asarray(rng.standard_normal(heads).astype(np.float32))}
     out, scales, scale = _nvfp4_buffers(tokens, heads, head_size, global_scale=100.0)
     cm.merge_attn_states(out, v_a, s_a, v_b, s_b, output_scale=scale, output_block_scale=scales, **options)
-    merged32 = _float32_out((tokens, heads, head_size))
-    cm.merge_attn_states(merged32, v_a, s_a, v_b, s_b, **options)
-    _expect_bit_exact(out, scales, cupy.asnumpy(merged32), 100.0)
+    _expect_bit_exact(out, scales, _merged32(v_a, s_a, v_b, s_b, **options), 100.0)
 
 
 def test_torch_float4_and_vllm_uint8_outputs_and_the_allocating_merge(rng):
     torch = _torch()
     tokens, heads, head_size = 33, 8, 128
     v_a, s_a, v_b, s_b = _states(rng, tokens, heads, head_size, "bfloat16", "torch")
-    merged32 = _float32_out((tokens, heads, head_size), "torch")
-    cm.merge_attn_states(merged32, v_a, s_a, v_b, s_b)
+    merged32 = _merged32(v_a, s_a, v_b, s_b, "torch")
     out, scales, scale = _nvfp4_buffers(tokens, heads, head_size, backend="torch", global_scale=30.0)
     cm.merge_attn_states(out, v_a, s_a, v_b, s_b, output_scale=scale, output_block_scale=scales)
-    _expect_bit_exact(out, scales, _host32(merged32), 30.0)
+    _expect_bit_exact(out, scales, merged32, 30.0)
     # vLLM gives an NVFP4 output as uint8 bytes beside float8_e4m3fn scales.
     out_bytes, scales, _ = _nvfp4_buffers(tokens, heads, head_size, backend="torch")
     cm.merge_attn_states(out_bytes.view(torch.uint8), v_a, s_a, v_b, s_b, output_scale=scale, output_block_scale=scales)
-    _expect_bit_exact(out_bytes, scales, _host32(merged32), 30.0)
+    _expect_bit_exact(out_bytes, scales, merged32, 30.0)
     # Allocated: torch's float4_e2m1fn_x2.
     _, scales, _ = _nvfp4_buffers(tokens, heads, head_size, backend="torch")
     v, _ = cm.merge_state(v_a, s_a, v_b, s_b, out_dtype="nvfp4", output_scale=scale, output_block_scale=scales)
     assert v.dtype == torch.float4_e2m1fn_x2 and tuple(v.shape) == (tokens, heads, head_size // 2)
-    _expect_bit_exact(v, scales, _host32(merged32), 30.0)
+    _expect_bit_exact(v, scales, merged32, 30.0)
 
 
 def test_cupy_allocates_nvfp4_as_bytes(rng):
@@ -239,9 +243,7 @@ def test_nan_inf_negative_zero_and_all_zero_blocks(rng):
     args = (cupy.asarray(v_a), cupy.asarray(s_a), cupy.asarray(v_a), cupy.asarray(s_b))
     out, scales, scale = _nvfp4_buffers(tokens, heads, head_size, global_scale=3.0)
     cm.merge_attn_states(out, *args, output_scale=scale, output_block_scale=scales)
-    merged32 = _float32_out((tokens, heads, head_size))
-    cm.merge_attn_states(merged32, *args)
-    _expect_bit_exact(out, scales, cupy.asnumpy(merged32), 3.0)
+    _expect_bit_exact(out, scales, _merged32(*args), 3.0)
     codes = _bytes(out).reshape(tokens, -1)
     row_scales = reference.nvfp4_scales_from_swizzled(_bytes(scales), tokens, head_size // 16)
     assert row_scales[0, 0] == 0x7F and (codes[0, :8] == 0).all()  # a NaN block: NaN scale, codes 0
@@ -272,27 +274,25 @@ def test_the_global_scale_is_read_on_the_device_when_a_cuda_graph_replays(rng):
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         cm.merge_attn_states(out, v_a, s_a, v_b, s_b, output_scale=scale, output_block_scale=scales)
     torch.cuda.current_stream().wait_stream(stream)
-    merged32 = _float32_out((tokens, heads, head_size), "torch")
-    cm.merge_attn_states(merged32, v_a, s_a, v_b, s_b)
+    merged32 = _merged32(v_a, s_a, v_b, s_b, "torch")
     for new_scale in (40.0, 0.5):
         scale.fill_(new_scale)
         out.view(torch.uint8).fill_(POISON)
         scales.view(torch.uint8).fill_(POISON)
         graph.replay()
         torch.cuda.synchronize()
-        _expect_bit_exact(out, scales, _host32(merged32), new_scale)
+        _expect_bit_exact(out, scales, merged32, new_scale)
 
 
 def test_bind_and_torch_compile_write_the_same_bytes(rng):
     torch = _torch()
     tokens, heads, head_size = 20, 4, 128
     v_a, s_a, v_b, s_b = _states(rng, tokens, heads, head_size, "bfloat16", "torch")
-    merged32 = _float32_out((tokens, heads, head_size), "torch")
-    cm.merge_attn_states(merged32, v_a, s_a, v_b, s_b)
+    merged32 = _merged32(v_a, s_a, v_b, s_b, "torch")
     out, scales, scale = _nvfp4_buffers(tokens, heads, head_size, backend="torch", global_scale=12.0)
     bound = cm.bind(cm.merge_attn_states, out, v_a, s_a, v_b, s_b, output_scale=scale, output_block_scale=scales)
     bound()
-    _expect_bit_exact(out, scales, _host32(merged32), 12.0)
+    _expect_bit_exact(out, scales, merged32, 12.0)
 
     @torch.compile(fullgraph=True)
     def merge(out, scales, v_a, s_a, v_b, s_b, scale):
@@ -301,7 +301,7 @@ def test_bind_and_torch_compile_write_the_same_bytes(rng):
 
     out, scales, _ = _nvfp4_buffers(tokens, heads, head_size, backend="torch")
     merge(out, scales, v_a, s_a, v_b, s_b, scale)
-    _expect_bit_exact(out, scales, _host32(merged32), 12.0)
+    _expect_bit_exact(out, scales, merged32, 12.0)
 
     @torch.compile(fullgraph=True)
     def allocating(scales, v_a, s_a, v_b, s_b, scale):  # the output allocated in the graph
@@ -310,7 +310,7 @@ def test_bind_and_torch_compile_write_the_same_bytes(rng):
     _, scales, _ = _nvfp4_buffers(tokens, heads, head_size, backend="torch")
     v = allocating(scales, v_a, s_a, v_b, s_b, scale)
     assert v.dtype == torch.float4_e2m1fn_x2 and tuple(v.shape) == (tokens, heads, head_size // 2)
-    _expect_bit_exact(v, scales, _host32(merged32), 12.0)
+    _expect_bit_exact(v, scales, merged32, 12.0)
 
 
 def test_jax_writes_nvfp4_under_jit_and_vmap(rng):
@@ -323,9 +323,7 @@ def test_jax_writes_nvfp4_under_jit_and_vmap(rng):
     states = [_states(rng, tokens, heads, head_size, "float32") for _ in range(batch)]
     merged = []
     for v_a, s_a, v_b, s_b in states:
-        merged32 = _float32_out((tokens, heads, head_size))
-        cm.merge_attn_states(merged32, v_a, s_a, v_b, s_b)
-        merged.append(cupy.asnumpy(merged32))
+        merged.append(_merged32(v_a, s_a, v_b, s_b))
     global_scale = _calibrated(np.stack(merged))
     stacked = [jax.numpy.asarray(np.stack([cupy.asnumpy(state[i]) for state in states])) for i in range(4)]
 
@@ -345,7 +343,7 @@ def test_bit_for_bit_with_torchao_on_the_merged_values(rng):
     torch = _torch()
     tokens, heads, head_size = 64, 4, 64
     v_a, s_a, v_b, s_b = _states(rng, tokens, heads, head_size, "bfloat16", "torch")
-    merged32 = _float32_out((tokens, heads, head_size), "torch")
+    merged32 = _float32_out((tokens, heads, head_size), "torch")  # torchao quantises the torch tensor
     cm.merge_attn_states(merged32, v_a, s_a, v_b, s_b)
     global_scale = 448 * 6 / float(merged32.abs().max())
     out, scales, scale = _nvfp4_buffers(tokens, heads, head_size, swizzled=False, backend="torch",
