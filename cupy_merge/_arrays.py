@@ -273,6 +273,7 @@ class TorchAdapter(Adapter):
 
     def __init__(self) -> None:
         self._devices: dict[int, Any] = {}
+        self._raw_stream: Any = None  # torch._C._cuda_getCurrentRawStream, once looked up
 
     def describe(self, obj: Any, name: str, host: bool = False) -> ArrayView:
         """``host``: CPU tensors are described too, on :data:`HOST` (the cross-rank merge on gloo)."""
@@ -311,12 +312,15 @@ class TorchAdapter(Adapter):
         return ArraySpec(tuple(obj.shape), tuple(obj.stride()), dtype_name(obj.dtype), obj.element_size(), device)
 
     def current_stream(self, device: int) -> int:
-        torch = torch_module()
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        if raw is not None:
+        raw = self._raw_stream
+        if raw is None:
+            torch = torch_module()
             # The public torch.cuda.current_stream() builds a Stream object: ~5 us.
-            return raw(device)
-        return torch.cuda.current_stream(device).cuda_stream
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+                lambda index: torch.cuda.current_stream(index).cuda_stream
+            )
+            self._raw_stream = raw
+        return raw(device)
 
     def empty(self, shape: tuple[int, ...], dtype: str, device: int, stream: int | None, zero: bool = False) -> Any:
         torch = torch_module()
@@ -428,6 +432,8 @@ def as_cupy(obj: Any, name: str = "array") -> cupy.ndarray:
 
 _torch_tensor: type | None = None
 _torch_parameter: type | None = None  # nn.Parameter (learned sinks): a plain tensor's fingerprint
+#: The two, once learned: whether a call's first input is a tensor, in one look-up.
+torch_types: frozenset = frozenset()
 
 
 def fingerprints(operands: tuple) -> tuple | None:
@@ -435,7 +441,7 @@ def fingerprints(operands: tuple) -> tuple | None:
     of each (and torch's negation and requires-grad bits), or ``None`` when one of them has no cheap
     fingerprint (JAX, DLPack, other producers, tensors without a data pointer). A missing operand
     is ``None``."""
-    global _torch_tensor, _torch_parameter
+    global _torch_tensor, _torch_parameter, torch_types
     parts: list = []
     try:
         for obj in operands:
@@ -452,11 +458,68 @@ def fingerprints(operands: tuple) -> tuple | None:
                 if _torch_tensor is None and torch is not None and cls in (torch.Tensor, torch.nn.Parameter):
                     # torch was imported after this module: learn its tensor types once
                     _torch_tensor, _torch_parameter = torch.Tensor, torch.nn.Parameter
+                    torch_types = frozenset((_torch_tensor, _torch_parameter))
                     return fingerprints(operands)
                 return None
     except RuntimeError:  # a sparse or meta tensor has no data pointer: the full path explains
         return None
     return tuple(parts)
+
+
+_TENSOR_GUARDS: Any = None  # torch's TensorGuards class once looked up; False where torch has none
+
+
+def torch_addresses(operands: tuple) -> tuple[tuple, list] | None:
+    """For operands that are all torch tensors (or None): their data pointers (None for a missing
+    operand) and the tensors, in order; what a guarded entry of the fast path is found by and
+    checked against (:func:`torch_guards`). None for any other array kind, or a tensor without a
+    data pointer."""
+    addresses: list = []
+    tensors: list = []
+    try:
+        for obj in operands:
+            if obj is None:
+                addresses.append(None)
+                continue
+            cls = type(obj)
+            if cls is not _torch_tensor and cls is not _torch_parameter:
+                return None
+            addresses.append(obj.data_ptr())
+            tensors.append(obj)
+    except RuntimeError:  # a sparse or meta tensor
+        return None
+    return tuple(addresses), tensors
+
+
+def torch_guards(tensors: list) -> Any | None:
+    """A check that tensors are again of these tensors' Python types, dtypes, devices, shapes,
+    strides, requires-grad flags and dispatch keys (torch's lazy negation and conjugation bits
+    among them), or None where this torch has no such check.
+
+    It is the check Dynamo guards compiled graphs with (``torch._C._dynamo.guards.TensorGuards``,
+    in C++): for six tensors about 1 us, against about 5 us to read those facts in Python. With
+    the data pointers it identifies an array as :func:`fingerprints` does. Its checks also
+    compare the thread's dispatch state (``torch.inference_mode`` flips it): a call under
+    another state fails the check and takes the fingerprint path, never a wrong entry. It
+    fails any call that passes one tensor twice (torch's guards expect distinct tensors), so
+    none is made for such tensors: those calls always take the fingerprint path.
+    """
+    if len({id(tensor) for tensor in tensors}) < len(tensors):
+        return None
+    global _TENSOR_GUARDS
+    if _TENSOR_GUARDS is None:
+        try:
+            from torch._C._dynamo import guards
+
+            _TENSOR_GUARDS = guards.TensorGuards
+        except (ImportError, AttributeError):
+            _TENSOR_GUARDS = False
+    if _TENSOR_GUARDS is False:
+        return None
+    try:
+        return _TENSOR_GUARDS(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    except (TypeError, RuntimeError):  # a torch whose TensorGuards takes other arguments
+        return None
 
 
 def stream_pointer(stream: Any) -> int:

@@ -31,6 +31,71 @@ def test_a_torch_tensor_is_fingerprinted_by_pointer_shape_strides_dtype_device_a
     assert _arrays.fingerprints((parameter,)) == _arrays.fingerprints((base.view(4, 8).requires_grad_(True),))
 
 
+def test_a_guarded_entry_serves_the_same_tensors_and_never_another_array_at_their_address(monkeypatch):
+    # Torch calls are found by their pointers, then checked by torch's C++ guards: every change a
+    # fingerprint tells apart must fail the check and be prepared as its own call.
+    torch = pytest.importorskip("torch")
+    if _arrays.torch_guards([torch.zeros(1)]) is None:
+        pytest.skip("this torch has no TensorGuards")
+    prepared = []
+
+    def prepare(operation, options, operands, tuning):
+        prepared.append(operands)
+        return _dispatch.Call((), None, 0, (), None)
+
+    monkeypatch.setattr(_dispatch, "_calls", {})
+    monkeypatch.setattr(_dispatch, "prepare", prepare)
+    monkeypatch.setattr(_dispatch, "run", lambda operation, call, operands, stream: call)
+    base, v_b = torch.randn(2, 4, 8, dtype=torch.float16)
+    s_a, s_b = torch.randn(2, 8, 4)
+
+    def call(v):
+        operands = TwoStateOperands(None, None, v, s_a, v_b, s_b)
+        return _dispatch.call(MERGE_STATE, TwoStateOptions(), operands, None)
+
+    first = call(base)
+    assert call(base.view(4, 8)) is first and len(prepared) == 1  # the same array, another view object
+    assert any(key[-1] is _dispatch.Guarded for key in _dispatch._calls)
+    monkeypatch.setattr(_arrays, "fingerprints", lambda operands: pytest.fail("the guarded entry was missed"))
+    assert call(base) is first
+    monkeypatch.undo()
+    monkeypatch.setattr(_dispatch, "prepare", prepare)
+    monkeypatch.setattr(_dispatch, "run", lambda operation, call, operands, stream: call)
+    monkeypatch.setattr(_dispatch, "_calls", {})
+    first = call(base)
+    others = {
+        "a slice": base[:2],
+        "transposed": base.T,
+        "another dtype": base.view(torch.bfloat16),
+        "reshaped": base.reshape(8, 4),
+        "negated": base._neg_view(),
+        "requiring grad": base.view(4, 8).requires_grad_(True),
+    }
+    for what, other in others.items():
+        assert other.data_ptr() == base.data_ptr()
+        count = len(prepared)
+        assert call(other) is not first, what
+        assert len(prepared) == count + 1 and prepared[-1].v_a is other, what
+        assert call(base) is first, what  # and the first is still found, by its fingerprint
+    with torch.inference_mode():  # another dispatch state fails the guards: the fingerprint path
+        assert call(base) is first
+
+
+def test_no_guards_are_made_for_one_tensor_passed_twice():
+    # torch's guards fail a call with a tensor twice: such calls keep the fingerprint path.
+    torch = pytest.importorskip("torch")
+    a, b = torch.zeros(4, 8), torch.zeros(8, 4)
+    _arrays.fingerprints((a,))  # the tensor types are learned by the first fingerprint
+    addresses, tensors = _arrays.torch_addresses((a, None, a, b))
+    assert addresses == (a.data_ptr(), None, a.data_ptr(), b.data_ptr()) and tensors == [a, a, b]
+    assert _arrays.torch_guards(tensors) is None
+    guards = _arrays.torch_guards([a, a.view(4, 8), b])
+    if guards is not None:
+        assert guards.check(a, a.view(4, 8), b)
+        assert not guards.check(a, a, b)
+    assert _arrays.torch_addresses((a, np.zeros(3))) is None  # any other kind: the fingerprint path
+
+
 def test_arrays_without_a_fingerprint_make_the_call_uncacheable():
     class Producer:  # e.g. a DLPack-only array
         pass
