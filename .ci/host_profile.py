@@ -4,7 +4,7 @@ timed alone, 1x32x128 bf16, µs a call (median of batches; no synchronisation in
 Steps of ``merge_attn_states`` (torch, outputs given), as ``_dispatch.call`` runs them:
 options (the keyword normalisation), operands (the record), fingerprints (six tensors' pointer,
 shape, strides, dtype, flags), lookup (the prepared call by key), stream (torch's current raw
-stream), launch (``_kernels.launch``: the context check and cuLaunchKernel), and the driver's
+stream), launch (``_launch.launch``: the context check and cuLaunchKernel), and the driver's
 launch alone; then what ``merge_state`` adds: the two ``torch.empty`` calls. Yardsticks beside.
 
 Usage: python3 .ci/host_profile.py
@@ -14,7 +14,7 @@ Usage: python3 .ci/host_profile.py
 import torch
 
 import cupy_merge as cm
-from cupy_merge import _arrays, _dispatch, _kernels, _options, _tuning
+from cupy_merge import _arrays, _dispatch, _launch, _options, _tuning
 from cupy_merge._operands import TwoStateOperands
 from cupy_merge._ops import MERGE_ATTN_STATES
 from cupy_merge.tools.timing import host_us_per_call
@@ -35,7 +35,7 @@ def main():
     prepared = _dispatch._calls[key]
     launch = prepared.launches[0]
     stream = _arrays.TORCH.current_stream(0)
-    driver = _kernels._driver_launch
+    driver = _launch._driver_launch
     steps = {
         "whole call: merge_attn_states": lambda: cm.merge_attn_states(out, v_a, s_a, v_b, s_b, out_lse),
         "options": lambda: _options.two_state_options(),
@@ -53,7 +53,7 @@ def main():
         "tuning.current": _tuning.current,
         "current stream": lambda: _arrays.TORCH.current_stream(0),
         "run (launch + results)": lambda: _dispatch.run(MERGE_ATTN_STATES, prepared, operands, None),
-        "_kernels.launch": lambda: _kernels.launch(launch, stream),
+        "_launch.launch": lambda: _launch.launch(launch, stream),
         "driver launch alone": lambda: driver(
             launch.function, *launch.grid, *launch.block, launch.shared_bytes, stream, launch.params, 0
         ),

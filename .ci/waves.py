@@ -15,14 +15,14 @@ import sys
 import cupy
 import numpy
 
-from cupy_merge import _kernels, _tuning
+from cupy_merge import _launch, _tuning
 from cupy_merge.backward import merge_states_backward, merge_states_varlen_backward
 from cupy_merge.tools.sweep import _states
 from cupy_merge.tools.timing import copy_us, median_ms
 
 HEADS, HEAD_SIZE = 32, 128
 launches = []
-_prepare = _kernels.prepare
+_prepare = _launch.prepare
 
 
 def _recording(launch, device, *args, **kwargs):
@@ -30,12 +30,12 @@ def _recording(launch, device, *args, **kwargs):
     return _prepare(launch, device, *args, **kwargs)
 
 
-_kernels.prepare = _recording
+_launch.prepare = _recording
 
 
 def waves(launch, device) -> tuple[int, int, float]:
     """(blocks, blocks a multiprocessor holds, waves) of one launch."""
-    function = _kernels.get_function(launch.module, launch.kernel, device)
+    function = _launch.get_function(launch.module, launch.kernel, device)
     per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
         function.pointer, int(numpy.prod(launch.block)), launch.shared_bytes
     )

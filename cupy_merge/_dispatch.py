@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
-from . import _addresses, _arrays, _checks, _kernels, _plan, _plan_backward, _tuning
+from . import _addresses, _arrays, _checks, _launch, _plan, _plan_backward, _tuning
 from ._arrays import ArraySpec, ArrayView
 from ._catalogue import ITEMSIZES, VALUES_PER_ELEMENT
 from ._operands import (
@@ -78,7 +78,7 @@ class Planned(NamedTuple):
 class Call(NamedTuple):
     """A plan bound to addresses: what a fast-path hit runs."""
 
-    launches: tuple[_kernels.PreparedLaunch, ...]
+    launches: tuple[_launch.PreparedLaunch, ...]
     adapter: _arrays.Adapter  # results are handed back in its kind
     device: int
     fresh: tuple[tuple[FreshOutput, tuple[tuple[int, int, int], ...]], ...]  # (launch, slot, byte offset) to patch
@@ -236,7 +236,7 @@ def prepare(operation: Operation, options: Options, operands: Operands, tuning: 
     addresses = {field: view.ptr for field, view in views.items()}
     device = planned.state.device
     launches = tuple(
-        _kernels.prepare(launch, device, addresses, tuning.programmatic_launch) for launch in planned.plan
+        _launch.prepare(launch, device, addresses, tuning.programmatic_launch) for launch in planned.plan
     )
     fresh = tuple(
         (output, tuple((index, slot, offset) for index, launch in enumerate(planned.plan)
@@ -392,10 +392,10 @@ def run(operation: Operation, prepared: Call, operands: Operands, stream: Any) -
     if prepared.fresh:
         outputs, patches = allocate(prepared, None if stream is None else stream_ptr)
         for index, launch in enumerate(prepared.launches):
-            _kernels.launch_patched(launch, stream_ptr, patches[index])
+            _launch.launch_patched(launch, stream_ptr, patches[index])
     else:
         for launch in prepared.launches:
-            _kernels.launch(launch, stream_ptr)
+            _launch.launch(launch, stream_ptr)
     if not operation.returns:
         return None
     if operation.results is FORWARD_RESULTS:  # the common case, without a loop
@@ -411,7 +411,7 @@ def check_stream(stream_ptr: int, prepared: Call) -> None:
     """A stream given by the caller must belong to the arrays' device (the default and per-thread
     streams of the current device always do)."""
     if stream_ptr > 2 and prepared.launches:
-        context = _kernels.stream_context(stream_ptr)
+        context = _launch.stream_context(stream_ptr)
         if context != prepared.launches[0].context:
             raise ValueError(
                 f"stream: expected a stream of device {prepared.device}, where the arrays are; got one "
@@ -423,7 +423,7 @@ def check_values(operation: Operation, prepared: Call, operands: Operands, strea
     """The checks of argument *values* that run on every call: a ragged merge's indptr, when asked,
     copied to the host on the merge's stream."""
     if prepared.indptr_rows is not None:
-        if stream is not None and _kernels.capturing(stream):
+        if stream is not None and _launch.capturing(stream):
             return  # a CUDA-graph capture cannot read the device: the kernel guards the offsets (NaN rows)
         values = _arrays.to_numpy(operands.indptr, stream)  # type: ignore[union-attr]
         _checks.indptr_values(values, prepared.indptr_rows, operation.names.indptr)  # type: ignore[union-attr]

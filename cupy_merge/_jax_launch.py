@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _checks, _dispatch, _kernels, _ops, _plan_backward, _tuning
+from . import _arrays, _checks, _dispatch, _launch, _ops, _plan_backward, _tuning
 from ._arrays import ArraySpec
 from ._catalogue import FP8, ITEMSIZES, NVFP4, NVFP4_BLOCK
 from ._operands import BackwardOperands
@@ -282,7 +282,7 @@ def _jax_dtype(name: str) -> Any:
 def _prepare(plan: tuple, devices: tuple[int, ...], tuning: _tuning.Tuning) -> dict[int, tuple]:
     """Each launch compiled, loaded and packed for every device (addresses patched at each call)."""
     return {
-        device: tuple(_kernels.prepare(launch, device, {}, tuning.programmatic_launch) for launch in plan)
+        device: tuple(_launch.prepare(launch, device, {}, tuning.programmatic_launch) for launch in plan)
         for device in devices
     }
 
@@ -319,7 +319,7 @@ def _callback(fast: dict, fast_slots: tuple, slow: dict | None, slow_slots: tupl
 
     Capture-safe: it launches only on ``ctx.stream``, allocates nothing, never synchronises and
     reads no device data, so XLA can record it into a command buffer (a CUDA graph)."""
-    launch_patched = _kernels.launch_patched
+    launch_patched = _launch.launch_patched
 
     def callback(context, outputs, *inputs):
         buffers = (*inputs, *outputs)

@@ -4,7 +4,7 @@ Every function here takes the :class:`ArraySpec` of arrays that already passed
 ``_checks``, and a :class:`~cupy_merge._tuning.Tuning`. A plan is a tuple of
 :class:`KernelLaunch` (usually one) whose pointer parameters are *slots* naming
 an operand (and a byte offset into it): addresses are bound when the launch is
-prepared (``_kernels.bind``), so the same plan serves every call with arrays of
+prepared (``_launch.prepare``), so the same plan serves every call with arrays of
 the same specialisation, a ``torch.compile`` fake tensor or a JAX trace.
 
 Two kernel families serve each merge (``_catalogue``): *packed* kernels for the

@@ -18,7 +18,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import _arrays, _dispatch, _kernels, _ops, _tuning
+from . import _arrays, _dispatch, _launch, _ops, _tuning
 from ._arrays import Stream
 from ._operands import WRITTEN
 from .types import Bound
@@ -97,7 +97,7 @@ class BoundMerge:
             )
         outputs, patches = _dispatch.allocate(prepared, None)
         self._launches = tuple(
-            _kernels.with_pointers(launch, patch) if patch else launch
+            _launch.with_pointers(launch, patch) if patch else launch
             for launch, patch in zip(prepared.launches, patches)
         )
         self._call = prepared
@@ -152,7 +152,7 @@ class BoundMerge:
             stream_ptr = _arrays.stream_pointer(stream)
             _dispatch.check_stream(stream_ptr, self._call)
         for launch in self._launches:
-            _kernels.launch(launch, stream_ptr)
+            _launch.launch(launch, stream_ptr)
         if self._written:
             _arrays.TORCH.mark_written(self._written)
         return self._result

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import cupy_merge as cm
-from cupy_merge import _arrays, _dispatch, _kernels
+from cupy_merge import _arrays, _dispatch, _launch
 
 
 def test_bind_takes_only_this_librarys_merges():
@@ -40,7 +40,7 @@ def prepared_without_a_gpu(monkeypatch):
     """merge calls prepare nothing real: the call it gets has no launch; nothing may run."""
     monkeypatch.setattr(_dispatch, "prepare", lambda *args: _dispatch.Call((), _Adapter(), 0, (), None))
     monkeypatch.setattr(_dispatch, "run", lambda *args: pytest.fail("ran the merge"))
-    monkeypatch.setattr(_kernels, "launch", lambda *args: pytest.fail("launched"))
+    monkeypatch.setattr(_launch, "launch", lambda *args: pytest.fail("launched"))
 
 
 def test_bind_prepares_the_call_and_never_runs_it(prepared_without_a_gpu):
@@ -57,7 +57,7 @@ def test_bind_refuses_inputs_that_require_grad_in_grad_mode(monkeypatch):
     refused (under torch.no_grad() they bind, e.g. an inference loop's learned sinks)."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(_dispatch, "prepare", lambda *args: _dispatch.Call((), _Adapter(), 0, (), None, True))
-    monkeypatch.setattr(_kernels, "launch", lambda *args: pytest.fail("launched"))
+    monkeypatch.setattr(_launch, "launch", lambda *args: pytest.fail("launched"))
     v, s = torch.zeros(2, 3, 8), torch.zeros(3, 2)
     sinks = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(RuntimeError, match=r"^bind\(merge_state\): an input requires grad, and a bound merge records no"):

@@ -34,11 +34,12 @@ def test_a_malformed_architecture_exits_with_status_2():
 
 
 def test_info_prints_the_environment_and_compiles_nothing(monkeypatch, capsys):
-    from cupy_merge import _kernels
+    from cupy_merge import _kernels, _launch
     from cupy_merge.tools import environment
 
-    for name in ("compile_module", "compile_ahead", "compile_modules"):
+    for name in ("compile_module", "compile_ahead"):
         monkeypatch.setattr(_kernels, name, lambda *args, **kwargs: pytest.fail("compiled"))
+    monkeypatch.setattr(_launch, "compile_modules", lambda *args, **kwargs: pytest.fail("compiled"))
     assert cli.main(["--info"]) == 0
     out = capsys.readouterr().out
     assert (

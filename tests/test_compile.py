@@ -7,7 +7,7 @@ import re
 import pytest
 
 from cupy_merge import _catalogue as cat
-from cupy_merge import _kernels, _tuning
+from cupy_merge import _kernels, _launch, _tuning
 
 SM_90 = _kernels.Target("90")
 
@@ -105,14 +105,14 @@ def test_a_plan_is_packed_into_one_argument_block(monkeypatch):
     from cupy_merge._plan import KernelLaunch
 
     monkeypatch.setattr(
-        _kernels, "get_function", lambda module, kernel, device: _kernels.Function(1234, 77, None)
+        _launch, "get_function", lambda module, kernel, device: _launch.Function(1234, 77, None)
     )
     module = cat.Module(cat.MANY_STATES_SOURCE, "float32", "float32")
     # Parameters 1 and 3 are pointers: operand v at 16 bytes in, and out (not allocated yet).
     plan = KernelLaunch(
         module, "k", (5, 1, 1), (16, 4, 2), 96, (7, 0, 2**40, 0, -3), ((1, "v", 16), (3, "out", 0))
     )
-    prepared = _kernels.prepare(plan, 0, {"v": 1 << 32, "s": 2 << 32})
+    prepared = _launch.prepare(plan, 0, {"v": 1 << 32, "s": 2 << 32})
     assert (prepared.function, prepared.context, prepared.grid, prepared.block, prepared.shared_bytes) == (
         1234, 77, (5, 1, 1), (16, 4, 2), 96,
     )  # fmt: skip

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cupy_merge as cm
-from cupy_merge import _arrays, _dispatch, _kernels, _options, _tuning
+from cupy_merge import _arrays, _dispatch, _launch, _options, _tuning
 from cupy_merge._operands import TwoStateOperands, TwoStateOptions
 from cupy_merge._ops import MERGE_STATE
 
@@ -229,8 +229,8 @@ def test_a_read_only_cuda_array_interface_output_is_refused(monkeypatch):
 
 
 def _prepared(values):
-    pointers = values.__array_interface__["data"][0] + _kernels._ARGUMENT_OFFSETS[: len(values)]
-    return _kernels.PreparedLaunch(7, 1, (1, 1, 1), (32, 1, 1), 0, 0, pointers.__array_interface__["data"][0],
+    pointers = values.__array_interface__["data"][0] + _launch._ARGUMENT_OFFSETS[: len(values)]
+    return _launch.PreparedLaunch(7, 1, (1, 1, 1), (32, 1, 1), 0, 0, pointers.__array_interface__["data"][0],
                                    values, None, (pointers, None))  # fmt: skip
 
 
@@ -243,26 +243,26 @@ def _arguments(params, count):
 
 def test_fresh_output_pointers_are_patched_into_the_launch(monkeypatch):
     launched = []
-    monkeypatch.setattr(_kernels, "_current_context", lambda: 1)
-    monkeypatch.setattr(_kernels, "_driver_launch", lambda *args: launched.append(_arguments(args[-2], 3)))
+    monkeypatch.setattr(_launch, "_current_context", lambda: 1)
+    monkeypatch.setattr(_launch, "_driver_launch", lambda *args: launched.append(_arguments(args[-2], 3)))
     prepared = _prepared(np.array([11, 22, 33], dtype=np.int64))
-    _kernels.launch_patched(prepared, 5, [(0, 1000), (1, 2000)])
+    _launch.launch_patched(prepared, 5, [(0, 1000), (1, 2000)])
     assert launched == [[1000, 2000, 33]]
-    copy = _kernels.with_pointers(prepared, [(2, 3000)])
+    copy = _launch.with_pointers(prepared, [(2, 3000)])
     assert _arguments(copy.params, 3) == [1000, 2000, 3000]
     assert prepared.values.tolist() == [1000, 2000, 33]  # the copy has its own buffer
 
 
 def test_a_launch_makes_the_kernels_context_current_when_another_or_none_is(monkeypatch):
     switched, launched = [], []
-    monkeypatch.setattr(_kernels, "_driver_launch", lambda *args: launched.append(args))
-    monkeypatch.setattr(_kernels.cupy.cuda.runtime, "setDevice", switched.append)
-    monkeypatch.setattr(_kernels.cupy.cuda.runtime, "getDevice", lambda: 1)  # the caller's device
+    monkeypatch.setattr(_launch, "_driver_launch", lambda *args: launched.append(args))
+    monkeypatch.setattr(_launch.cupy.cuda.runtime, "setDevice", switched.append)
+    monkeypatch.setattr(_launch.cupy.cuda.runtime, "getDevice", lambda: 1)  # the caller's device
     prepared = _prepared(np.array([1], dtype=np.int64))._replace(context=42, device=3)
-    monkeypatch.setattr(_kernels, "_current_context", lambda: 0)  # a fresh thread: no context
-    _kernels.launch(prepared, 9)
-    monkeypatch.setattr(_kernels, "_current_context", lambda: 42)
-    _kernels.launch(prepared, 9)
+    monkeypatch.setattr(_launch, "_current_context", lambda: 0)  # a fresh thread: no context
+    _launch.launch(prepared, 9)
+    monkeypatch.setattr(_launch, "_current_context", lambda: 42)
+    _launch.launch(prepared, 9)
     assert switched == [3, 1] and len(launched) == 2  # switched for the launch, then back
     assert launched[0] == (7, 1, 1, 1, 32, 1, 1, 0, 9, prepared.params, 0)
 
@@ -296,11 +296,11 @@ def test_fresh_outputs_are_allocated_on_every_run_and_patched_into_their_slots(m
     adapter = _ViewAdapter()
     monkeypatch.setattr(_arrays, "adapter_for", lambda obj, name: adapter)
     monkeypatch.setattr(
-        _kernels, "get_function", lambda module, kernel, device: _kernels.Function(1234, 77, None)
+        _launch, "get_function", lambda module, kernel, device: _launch.Function(1234, 77, None)
     )
-    monkeypatch.setattr(_kernels, "_current_context", lambda: 77)
+    monkeypatch.setattr(_launch, "_current_context", lambda: 77)
     launched = []
-    monkeypatch.setattr(_kernels, "_driver_launch", lambda *args: launched.append(args))
+    monkeypatch.setattr(_launch, "_driver_launch", lambda *args: launched.append(args))
     v_a, v_b = view((5, 3, 16), ptr=1 << 32), view((5, 3, 16), ptr=2 << 32)
     s_a, s_b = view((3, 5), "float32", ptr=3 << 32), view((3, 5), "float32", ptr=4 << 32)
     operands = TwoStateOperands(None, None, v_a, s_a, v_b, s_b)

@@ -507,13 +507,13 @@ _REPLAY = textwrap.dedent(
     """
     import json, sys
     import numpy as np, jax, jax.numpy as jnp
-    from cupy_merge import _kernels, reference
+    from cupy_merge import _launch, reference
     launches = [0]
-    original = _kernels.launch_patched
+    original = _launch.launch_patched
     def counting(*args):
         launches[0] += 1
         original(*args)
-    _kernels.launch_patched = counting  # before anything is traced: callbacks take it when built
+    _launch.launch_patched = counting  # before anything is traced: callbacks take it when built
     import cupy_merge.jax as cmj
 
     @jax.jit
@@ -881,13 +881,13 @@ _GRAD_REPLAY = textwrap.dedent(
     """
     import json
     import numpy as np, jax, jax.numpy as jnp
-    from cupy_merge import _kernels, reference
+    from cupy_merge import _launch, reference
     launches = [0]
-    original = _kernels.launch_patched
+    original = _launch.launch_patched
     def counting(*args):
         launches[0] += 1
         original(*args)
-    _kernels.launch_patched = counting
+    _launch.launch_patched = counting
     import cupy_merge.jax as cmj
 
     rng = np.random.default_rng()

@@ -7,7 +7,7 @@ import pytest
 from gpu_arrays import fill_nan, relative_error, to_device, to_host
 
 import cupy_merge as cm
-from cupy_merge import _kernels, _tuning, reference
+from cupy_merge import _launch, _tuning, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -221,8 +221,8 @@ def test_a_merge_of_the_most_states_a_token_takes_stays_in_range():
 
 def test_the_first_merge_of_a_module_can_be_captured_in_a_cuda_graph(rng, monkeypatch):
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(_kernels, "_functions", {})
-    monkeypatch.setattr(_kernels, "_loaded", {})
+    monkeypatch.setattr(_launch, "_functions", {})
+    monkeypatch.setattr(_launch, "_loaded", {})
     v_a, v_b = (to_device(rng.standard_normal((8, 4, 64)), "bfloat16", "torch") for _ in range(2))
     s_a, s_b = (to_device(rng.standard_normal((4, 8)), "float32", "torch") for _ in range(2))
     out = torch.empty_like(v_a)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 import cupy_merge as cm
 import cupy_merge.jax as cmj
-from cupy_merge import _dispatch, _jax_batching, _jax_entry, _jax_launch, _kernels, _tuning, reference
+from cupy_merge import _dispatch, _jax_batching, _jax_entry, _jax_launch, _launch, _tuning, reference
 from cupy_merge._operands import BackwardOperands, TwoStateOperands, TwoStateOptions
 from cupy_merge._ops import MERGE_STATE
 
@@ -1049,8 +1049,8 @@ def recorder(monkeypatch):
     monkeypatch.setattr(
         _jax_launch, "_pointer", lambda buffer: record.pointers.append(original(buffer)) or record.pointers[-1]
     )
-    monkeypatch.setattr(_kernels, "prepare", record.prepare)
-    monkeypatch.setattr(_kernels, "launch_patched", record.launch_patched)
+    monkeypatch.setattr(_launch, "prepare", record.prepare)
+    monkeypatch.setattr(_launch, "launch_patched", record.launch_patched)
     cmj._clear_caches()
     with jax.default_device(jax.devices("cpu")[0]):
         yield record

@@ -9,7 +9,7 @@ import pytest
 from bad_inputs import BAD_CASES, VALID, Spec, specs_for
 from views import arguments, bound_args, family, from_specs, plan_checked, record, slot_fields, template, view
 
-from cupy_merge import _arrays, _checks, _dispatch, _kernels, _plan, _tuning
+from cupy_merge import _arrays, _checks, _dispatch, _launch, _plan, _tuning
 from cupy_merge import _catalogue as cat
 from cupy_merge._operands import ManyStateOperands, ManyStateOptions, TwoStateOperands, TwoStateOptions
 from cupy_merge._ops import (
@@ -198,9 +198,9 @@ def test_offsets_are_32_bit_only_while_every_array_fits():
 
 @pytest.fixture
 def no_compiling(monkeypatch):
-    """``_kernels.prepare`` binds addresses without a GPU: the kernel lookup is a stand-in."""
+    """``_launch.prepare`` binds addresses without a GPU: the kernel lookup is a stand-in."""
     monkeypatch.setattr(
-        _kernels, "get_function", lambda module, kernel, device: _kernels.Function(1, 2, None)
+        _launch, "get_function", lambda module, kernel, device: _launch.Function(1, 2, None)
     )
 
 
@@ -214,11 +214,11 @@ def test_plans_put_the_output_pointers_where_fresh_outputs_are_patched_in(no_com
         out_slot, out_lse_slot = kernels.position("out"), kernels.position("out_lse")
         assert launch.slots("out") == [out_slot] and launch.slots("out_lse") == [out_lse_slot]
         assert launch.args[out_slot] == launch.args[out_lse_slot] == 0  # no address in the plan
-        prepared = _kernels.prepare(launch, 0, {field: v.ptr for field, v in views.items()})
+        prepared = _launch.prepare(launch, 0, {field: v.ptr for field, v in views.items()})
         assert prepared.values[out_slot] == views["out"].ptr
         assert prepared.values[out_lse_slot] == views["out_lse"].ptr
         # A fresh output has no address when prepared: its slot stays null until patched in.
-        fresh = _kernels.prepare(launch, 0, {f: v.ptr for f, v in views.items() if not f.startswith("out")})
+        fresh = _launch.prepare(launch, 0, {f: v.ptr for f, v in views.items() if not f.startswith("out")})
         assert fresh.values[out_slot] == fresh.values[out_lse_slot] == 0
     assert families == {cat.TWO_PACKED, cat.TWO_STRIDED}
 

@@ -1046,7 +1046,7 @@ def test_outputs_that_require_grad_are_refused_under_compile_and_in_the_fakes():
 
 
 def test_a_bound_merge_counts_each_launch_as_a_write_and_refuses_outputs_that_require_grad(monkeypatch):
-    from cupy_merge import _arrays, _dispatch, _kernels
+    from cupy_merge import _arrays, _dispatch, _launch
 
     class HostTorch(_arrays.TorchAdapter):
         def current_stream(self, device):
@@ -1060,7 +1060,7 @@ def test_a_bound_merge_counts_each_launch_as_a_write_and_refuses_outputs_that_re
         return _dispatch.Call((), HostTorch(), _arrays.HOST, fresh, None, *_dispatch.autograd_facts(operands, tensors))
 
     monkeypatch.setattr(_dispatch, "prepare", prepare)
-    monkeypatch.setattr(_kernels, "launch", lambda *args: pytest.fail("launched"))
+    monkeypatch.setattr(_launch, "launch", lambda *args: pytest.fail("launched"))
     output, lse = torch.randn(T, H, D), torch.randn(H, T)
     two = host_states()
     bound = cm.bind(cm.merge_attn_states, output, *two, lse)

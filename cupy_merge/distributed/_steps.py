@@ -20,7 +20,7 @@ import math
 from typing import Any, NamedTuple
 
 from .. import _catalogue as cat
-from .. import _kernels, _plan
+from .. import _launch, _plan
 from .._arrays import HOST, ArrayView, alignment
 from .._plan import Pointer
 
@@ -74,7 +74,7 @@ def pack_states(adapter: Any, v: Any, s: Any, views: dict, packed: Any, layout: 
     lse.copy_(s.reshape(shards, num_heads // shards, num_tokens))
 
 
-def prepare_pack(views: dict, packed: Any, packed_ptr: int, layout: ChunkLayout) -> _kernels.PreparedLaunch:
+def prepare_pack(views: dict, packed: Any, packed_ptr: int, layout: ChunkLayout) -> _launch.PreparedLaunch:
     """The packing kernel's launch for these arrays (``views``: ArrayViews of ``v`` and ``s``)."""
     v, s = views["v"], views["s"]
     num_tokens, num_heads, head_size = v.shape
@@ -108,7 +108,7 @@ def scale_for_sum(
 
 def prepare_scale(
     adapter: Any, views: dict, gathered_s: Any, rank: int, scaled: Any, out_lse: Any, lse_base_2: int
-) -> _kernels.PreparedLaunch:
+) -> _launch.PreparedLaunch:
     """The scaling kernel's launch for these arrays (``views``: ArrayViews of ``v`` and any ``sinks``)."""
     v, sinks = views["v"], views.get("sinks")
     num_tokens, num_heads, head_size = v.shape
@@ -164,13 +164,13 @@ def _scale_on_host(adapter, v, gathered_s, rank, scaled, out_lse, lse_base_2, si
     out_lse.copy_(merged[first_head : first_head + out_lse.shape[0]])
 
 
-_prepared: dict[tuple, _kernels.PreparedLaunch] = {}
+_prepared: dict[tuple, _launch.PreparedLaunch] = {}
 _MAX_PREPARED = 1024
 
 
 def _prepare(
     family: cat.KernelFamily, v: ArrayView, touched: list[ArrayView], args: dict, addresses: dict
-) -> _kernels.PreparedLaunch:
+) -> _launch.PreparedLaunch:
     """A rank step's launch, planned by the core (16-byte packs where every array it touches
     keeps them aligned) and bound to ``addresses``.
 
@@ -183,16 +183,16 @@ def _prepare(
     if prepared is None:
         specs = [view.spec for view in touched]
         launch_plan = _plan.plan_rank_step(family, v.dtype, v.shape[0] * v.shape[1], v.shape[2], specs, args)
-        prepared = _kernels.prepare(launch_plan, v.device, addresses)
+        prepared = _launch.prepare(launch_plan, v.device, addresses)
         if len(_prepared) >= _MAX_PREPARED:
             _prepared.clear()
         _prepared[key] = prepared
     return prepared
 
 
-def launch(prepared: _kernels.PreparedLaunch, stream: int | None, adapter: Any) -> None:
+def launch(prepared: _launch.PreparedLaunch, stream: int | None, adapter: Any) -> None:
     """A prepared rank kernel on ``stream`` (None: the current stream of the arrays' kind)."""
-    _kernels.launch(prepared, adapter.current_stream(prepared.device) if stream is None else stream)
+    _launch.launch(prepared, adapter.current_stream(prepared.device) if stream is None else stream)
 
 
 def merge_on_host(v: Any, s: Any, lse_base_2: int, sinks: Any = None) -> tuple[Any, Any]:

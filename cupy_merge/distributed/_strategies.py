@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .. import _addresses, _arrays, _checks, _dispatch, _kernels, _options, _tuning
+from .. import _addresses, _arrays, _checks, _dispatch, _launch, _options, _tuning
 from .._arrays import HOST, ArrayView
 from .._checks import RANK_NAMES, StateShape
 from .._operands import RankOperands
@@ -148,7 +148,7 @@ def _stream(stream: Any, device: int) -> int | None:
     pointer = _arrays.stream_pointer(stream)
     if device == HOST:
         raise TypeError("stream: CPU tensors (gloo) run on no CUDA stream; leave it out")
-    if pointer > 2 and not _kernels.stream_on_device(pointer, device):
+    if pointer > 2 and not _launch.stream_on_device(pointer, device):
         raise ValueError(f"stream: expected a stream of device {device}, where the arrays are; got another device's")
     return pointer
 

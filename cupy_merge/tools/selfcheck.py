@@ -8,7 +8,7 @@ import time
 import cupy
 import numpy
 
-from .. import _arrays, _catalogue, _kernels, merge_state, merge_states, reference
+from .. import _arrays, _catalogue, _kernels, _launch, merge_state, merge_states, reference
 from . import environment
 from .timing import median_ms
 
@@ -148,7 +148,7 @@ def run() -> int:
         return 0
     started = time.perf_counter()
     device = cupy.cuda.runtime.getDevice()
-    count = _kernels.compile_modules(device, modules)
+    count = _launch.compile_modules(device, modules)
     target = _kernels.device_target(device)
     print(f"{_share(count, modules)} loaded on device {device} "
           f"({target.option.split('=')[1]}) in {time.perf_counter() - started:.2f} s")  # fmt: skip
