@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ._array_rules import named_operands
 from ._arrays import ArrayView
-from ._checks import named_operands
 from ._operands import ManyStateOperands, RankOperands, TwoStateOperands
 
 

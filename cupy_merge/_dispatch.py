@@ -28,7 +28,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
-from . import _addresses, _arrays, _checks, _launch, _plan, _plan_backward, _tuning
+from . import (
+    _addresses,
+    _array_rules,
+    _arrays,
+    _checks,
+    _launch,
+    _operands,
+    _plan,
+    _plan_backward,
+    _quantised,
+    _tuning,
+)
 from ._arrays import ArraySpec, ArrayView
 from ._catalogue import ITEMSIZES, VALUES_PER_ELEMENT
 from ._operands import (
@@ -70,7 +81,7 @@ class Planned(NamedTuple):
     rows a ragged merge's offsets may reach when they are checked on the host (else None)."""
 
     plan: _plan.Plan
-    state: _checks.StateShape
+    state: _operands.StateShape
     fresh: tuple[FreshOutput, ...]
     indptr_rows: int | None
 
@@ -306,7 +317,7 @@ def plan_specs(
 
 def check_specs(
     operation: Operation, options: Options, specs: Operands
-) -> tuple[_checks.StateShape, int, Operands, tuple[FreshOutput, ...]]:
+) -> tuple[_operands.StateShape, int, Operands, tuple[FreshOutput, ...]]:
     """Every shape rule of one merge (not its address and value rules), from its operands' specs:
     the state's shape, the number of states, the specs with the outputs to allocate filled in as
     fresh C-contiguous arrays, and those outputs. What plans take, and torch's fakes check."""
@@ -314,7 +325,7 @@ def check_specs(
     if isinstance(specs, BackwardOperands):
         state, num_states = _checks.check_backward(specs, names, options)  # type: ignore[arg-type]
         return state, num_states, specs, ()
-    specs = specs._replace(out=_checks.quantised_bytes(specs.out, specs.output_scale, specs.output_block_scale))
+    specs = specs._replace(out=_quantised.quantised_bytes(specs.out, specs.output_scale, specs.output_block_scale))
     if operation.many:
         state, num_states = _checks.check_many_inputs(specs, names)  # type: ignore[arg-type]
     else:
@@ -354,7 +365,7 @@ def _plan_gradients(
 
 
 def _fresh_outputs(
-    operation: Operation, out_dtype: str | None, state: _checks.StateShape, specs: ForwardOperands
+    operation: Operation, out_dtype: str | None, state: _operands.StateShape, specs: ForwardOperands
 ) -> tuple[ForwardOperands, tuple[FreshOutput, ...]]:
     """The outputs to allocate, as C-contiguous specs, and the list of them."""
     out = specs.out
@@ -426,7 +437,7 @@ def check_values(operation: Operation, prepared: Call, operands: Operands, strea
         if stream is not None and _launch.capturing(stream):
             return  # a CUDA-graph capture cannot read the device: the kernel guards the offsets (NaN rows)
         values = _arrays.to_numpy(operands.indptr, stream)  # type: ignore[union-attr]
-        _checks.indptr_values(values, prepared.indptr_rows, operation.names.indptr)  # type: ignore[union-attr]
+        _array_rules.indptr_values(values, prepared.indptr_rows, operation.names.indptr)  # type: ignore[union-attr]
 
 
 def allocate(prepared: Call, stream: int | None) -> tuple[dict[str, Any], list[list[tuple[int, int]]]]:

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _checks, _dispatch, _jax_launch, _options, _tuning
+from . import _array_rules, _arrays, _dispatch, _jax_launch, _options, _tuning
 from ._catalogue import NVFP4
 from ._jax_launch import _Config, _entries, _jax
 from ._jax_transforms import (
@@ -224,7 +224,7 @@ def _check_indptr_on_host(operands: ManyStateOperands, names: ManyStateOperands)
     values = numpy.asarray(indptr)
     if values.dtype.kind not in "iu":
         return
-    _checks.indptr_values(values, v.shape[0], names.indptr)
+    _array_rules.indptr_values(values, v.shape[0], names.indptr)
 
 
 #: The eager merges' words for an output that is a JAX array (``_dispatch.prepare`` says the same).

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _checks, _dispatch, _launch, _ops, _plan_backward, _tuning
+from . import _arrays, _checks, _dispatch, _launch, _ops, _plan_backward, _quantised, _tuning
 from ._arrays import ArraySpec
 from ._catalogue import FP8, ITEMSIZES, NVFP4, NVFP4_BLOCK
 from ._operands import BackwardOperands
@@ -214,7 +214,7 @@ def _build_entry(cfg: _Config, avals: tuple) -> _Entry:
         if block_scale is None:
             if out_dtype == NVFP4:  # head sizes not a multiple of 16 are refused by the checks
                 blocks = heads * head_size // NVFP4_BLOCK
-                scale_shape = _checks.nvfp4_scale_shape(tokens, blocks, options.swizzled_scales)
+                scale_shape = _quantised.nvfp4_scale_shape(tokens, blocks, options.swizzled_scales)
             else:
                 scale_shape = (tokens, heads * head_size // options.group_size)
             block_scale = _arrays.contiguous_spec(scale_shape, scale_dtype.name, scale_dtype.itemsize, 0)

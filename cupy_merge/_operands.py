@@ -120,3 +120,13 @@ Options = TwoStateOptions | ManyStateOptions | BackwardOptions
 def given(operands: NamedTuple) -> dict[str, Any]:
     """The fields that hold something, by name."""
     return {name: value for name, value in zip(operands._fields, operands) if value is not None}
+
+
+class StateShape(NamedTuple):
+    """The merged state's shape, dtype and device, as the rules find them from the inputs."""
+
+    num_tokens: int
+    num_heads: int
+    head_size: int
+    dtype: str
+    device: int

@@ -20,8 +20,7 @@ from typing import Any, NamedTuple
 
 from . import _catalogue as cat
 from ._arrays import ArraySpec
-from ._checks import StateShape
-from ._operands import ManyStateOperands, ManyStateOptions, TwoStateOperands, TwoStateOptions
+from ._operands import ManyStateOperands, ManyStateOptions, StateShape, TwoStateOperands, TwoStateOptions
 from ._tuning import Tuning
 
 #: Offsets are 32-bit when every array's elements lie within this many of its start.

@@ -12,8 +12,7 @@ from typing import Any, NamedTuple
 
 from . import _catalogue as cat
 from ._arrays import ArraySpec
-from ._checks import StateShape
-from ._operands import BackwardOperands, BackwardOptions
+from ._operands import BackwardOperands, BackwardOptions, StateShape
 from ._plan import (
     MAX_GRID_X,
     MAX_GRID_Y,

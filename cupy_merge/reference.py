@@ -14,7 +14,7 @@ import math
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import _checks, _options
+from . import _array_rules, _catalogue, _checks, _options
 from ._arrays import HOST, ArraySpec, contiguous_strides
 from ._operands import ManyStateOperands, TwoStateOperands
 from ._options import lse_base_flag
@@ -196,7 +196,7 @@ def merge_states_varlen(
     state, total = _checks.check_many_inputs(specs, names)
     check_indptr = _options.flag(check_indptr, "check_indptr")
     if check_indptr:
-        _checks.indptr_values(indptr, total)
+        _array_rules.indptr_values(indptr, total)
     sink = _sinks(sinks, state.num_heads, "v")
     v, s = _f64(v), _f64(s)
     num_tokens = len(indptr) - 1
@@ -205,7 +205,7 @@ def merge_states_varlen(
     log_base = math.log(2.0) if lse_base_flag(lse_base) else 1.0
     for token in range(num_tokens):
         begin, end = int(indptr[token]), int(indptr[token + 1])
-        if begin < 0 or end < begin or end > total or end - begin > _checks.MAX_STATES_PER_TOKEN:
+        if begin < 0 or end < begin or end > total or end - begin > _catalogue.MAX_STATES_PER_TOKEN:
             out[token], lse[:, token] = np.nan, np.nan  # the kernel's rule for offsets out of range
             continue
         merged, merged_lse = _merge(v[begin:end, None], s[:, begin:end].T[:, :, None] * log_base, sink)
@@ -366,7 +366,7 @@ def merge_states_varlen_backward(
     v, s, indptr = _host(v, "v"), _host(s, "s"), np.asarray(indptr)
     names = ManyStateOperands("out", "out_lse", "v", "s", "indptr", "sinks")
     state, total = _checks.check_many_inputs(ManyStateOperands(None, None, _spec(v), _spec(s), _spec(indptr, index=True)), names)
-    _checks.indptr_values(indptr, total)
+    _array_rules.indptr_values(indptr, total)
     grad_v = _gradient(grad_v, "grad_v", (state.num_tokens, state.num_heads, state.head_size))
     grad_s = _gradient(grad_s, "grad_s", (state.num_heads, state.num_tokens))
     sink = _sinks(sinks, state.num_heads, "v")
@@ -388,7 +388,7 @@ def _gradient(grad: ArrayLike | None, name: str, shape: tuple[int, ...]) -> np.n
     if grad is None:
         return np.zeros(shape)
     array = _host(grad, name)
-    _checks.expect_shape(_spec(array), shape, name, "the shape of the merge's result")
+    _array_rules.expect_shape(_spec(array), shape, name, "the shape of the merge's result")
     return _f64(array)
 
 
@@ -422,8 +422,8 @@ def _sinks(sinks: ArrayLike | None, num_heads: int, like: str) -> np.ndarray | N
     if sinks is None:
         return None
     array = _host(sinks, "sinks")
-    _checks.expect_ndim(_spec(array), 1, "sinks", "[num_heads]")
-    _checks.expect_shape(_spec(array), (num_heads,), "sinks", f"num_heads of {like}")
+    _array_rules.expect_ndim(_spec(array), 1, "sinks", "[num_heads]")
+    _array_rules.expect_shape(_spec(array), (num_heads,), "sinks", f"num_heads of {like}")
     return _f64(array)
 
 

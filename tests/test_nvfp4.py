@@ -17,7 +17,7 @@ except (ImportError, pytest.skip.Exception):
         pytest.skip("torch is not installed")
 
 from cupy_merge import _catalogue as cat
-from cupy_merge import _checks, _options
+from cupy_merge import _options, _quantised
 from cupy_merge._operands import ManyStateOperands, ManyStateOptions, TwoStateOptions
 from cupy_merge._ops import MERGE_ATTN_STATES, MERGE_STATES, MERGE_STATES_VARLEN
 
@@ -36,7 +36,7 @@ def _two_way(in_dtype="bfloat16", head_size=HEAD_SIZE, tokens=TOKENS, swizzled=T
         "suffix_lse": view((HEADS, tokens), "float32", ptr=6 << 32),
         "mask": None,
         "output_scale": view((1,), "float32", ptr=7 << 32),
-        "output_block_scale": view(_checks.nvfp4_scale_shape(tokens, blocks, swizzled), "uint8", ptr=8 << 32),
+        "output_block_scale": view(_quantised.nvfp4_scale_shape(tokens, blocks, swizzled), "uint8", ptr=8 << 32),
     }
     views.update(changes)
     names = MERGE_ATTN_STATES.names
@@ -69,9 +69,9 @@ def test_row_major_scales_need_block_scales_and_a_bool():
 
 
 def test_the_swizzled_shape_pads_rows_to_128_and_blocks_to_4():
-    assert _checks.nvfp4_scale_shape(1, 3, True) == (128, 4)
-    assert _checks.nvfp4_scale_shape(130, 32, True) == (256, 32)
-    assert _checks.nvfp4_scale_shape(130, 3, False) == (130, 3)
+    assert _quantised.nvfp4_scale_shape(1, 3, True) == (128, 4)
+    assert _quantised.nvfp4_scale_shape(130, 32, True) == (256, 32)
+    assert _quantised.nvfp4_scale_shape(130, 3, False) == (130, 3)
 
 
 # -- plans ----------------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ def test_uint8_values_beside_one_byte_block_scales_are_nvfp4_as_vllm_gives_them(
     blocks = HEADS * HEAD_SIZE // 16
     arrays = _two_way(
         output=view((TOKENS, HEADS, HEAD_SIZE // 2), "uint8", ptr=1 << 32),
-        output_block_scale=view(_checks.nvfp4_scale_shape(TOKENS, blocks, True), scale_dtype, ptr=8 << 32),
+        output_block_scale=view(_quantised.nvfp4_scale_shape(TOKENS, blocks, True), scale_dtype, ptr=8 << 32),
     )
     assert template(_only(_planned(arrays)))["TOut"] == "cupy_merge::nvfp4x2_t"
 
@@ -131,7 +131,7 @@ def test_n_way_and_ragged_merges_plan_the_nvfp4_epilogue(ragged):
         s = view((states, HEADS, tokens), "float32", ptr=4 << 32)
         indptr = None
     out = view((tokens, HEADS, HEAD_SIZE // 2), NVFP4, ptr=1 << 32)
-    scales = view(_checks.nvfp4_scale_shape(tokens, HEADS * HEAD_SIZE // 16, True), "uint8", ptr=8 << 32)
+    scales = view(_quantised.nvfp4_scale_shape(tokens, HEADS * HEAD_SIZE // 16, True), "uint8", ptr=8 << 32)
     operands = ManyStateOperands(out, None, v, s, indptr, None, view((1,), "float32", ptr=7 << 32), scales)
     operation = MERGE_STATES_VARLEN if ragged else MERGE_STATES
     launch = _only(plan_checked(operation, ManyStateOptions(), operands))
@@ -156,7 +156,7 @@ def test_every_nvfp4_module_holds_only_grouped_packed_kernels_of_whole_bytes():
 
 def _bad_cases():
     blocks = HEADS * HEAD_SIZE // 16
-    swizzled = _checks.nvfp4_scale_shape(TOKENS, blocks, True)
+    swizzled = _quantised.nvfp4_scale_shape(TOKENS, blocks, True)
     return [
         ({"output_scale": None}, {}, TypeError, "^output_scale: an NVFP4 output \\(output\\) needs output_scale"),
         ({"output_block_scale": None}, {}, TypeError, "^output_block_scale: an NVFP4 output \\(output\\) needs"),
@@ -333,7 +333,7 @@ def _torch_nvfp4_case(rng, swizzled=True, tokens=TOKENS, head_size=64):
     v_a, v_b = (torch.from_numpy(rng.standard_normal((tokens, HEADS, head_size)).astype(np.float32)) for _ in range(2))
     s_a, s_b = (torch.from_numpy((rng.standard_normal((HEADS, tokens)) * 3).astype(np.float32)) for _ in range(2))
     out = torch.full((tokens, HEADS, head_size // 2), 0xAB, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
-    shape = _checks.nvfp4_scale_shape(tokens, HEADS * head_size // 16, swizzled)
+    shape = _quantised.nvfp4_scale_shape(tokens, HEADS * head_size // 16, swizzled)
     scales = torch.full(shape, 0xAB, dtype=torch.uint8).view(torch.float8_e4m3fn)
     return (v_a, s_a, v_b, s_b), out, scales, torch.tensor([40.0])
 

@@ -9,7 +9,7 @@ import pytest
 from bad_inputs import BAD_CASES, VALID, Spec, specs_for
 from views import arguments, bound_args, family, from_specs, plan_checked, record, slot_fields, template, view
 
-from cupy_merge import _arrays, _checks, _dispatch, _launch, _plan, _tuning
+from cupy_merge import _array_rules, _arrays, _dispatch, _launch, _plan, _tuning
 from cupy_merge import _catalogue as cat
 from cupy_merge._operands import ManyStateOperands, ManyStateOptions, TwoStateOperands, TwoStateOptions
 from cupy_merge._ops import (
@@ -468,13 +468,13 @@ def test_calls_and_plans_under_another_tuning_are_cached_apart(monkeypatch):
     ],
 )
 def test_shares_elements_is_exact_for_any_strides(shape, strides, shared):
-    assert _checks.shares_elements(shape, strides) is shared
+    assert _array_rules.shares_elements(shape, strides) is shared
     spec = view(shape, "float32", strides=strides).spec
     if shared:
         with pytest.raises(ValueError, match="^out: expected an output whose elements do not share memory"):
-            _checks.expect_no_self_overlap(spec, "out")
+            _array_rules.expect_no_self_overlap(spec, "out")
     else:
-        _checks.expect_no_self_overlap(spec, "out")
+        _array_rules.expect_no_self_overlap(spec, "out")
 
 
 def test_an_output_with_strides_that_do_not_nest_is_accepted_when_its_elements_are_apart():
@@ -489,8 +489,8 @@ def test_an_output_with_strides_that_do_not_nest_is_accepted_when_its_elements_a
 
 
 def test_strides_too_irregular_to_decide_are_refused(monkeypatch):
-    monkeypatch.setattr(_checks, "_OVERLAP_SEARCH_BUDGET", 3)
+    monkeypatch.setattr(_array_rules, "_OVERLAP_SEARCH_BUDGET", 3)
     with pytest.raises(
         ValueError, match="^out: expected an output whose elements provably do not share memory"
     ):
-        _checks.expect_no_self_overlap(view((5, 5, 5), "float32", strides=(31, 7, 1)).spec, "out")
+        _array_rules.expect_no_self_overlap(view((5, 5, 5), "float32", strides=(31, 7, 1)).spec, "out")

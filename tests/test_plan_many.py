@@ -9,8 +9,8 @@ import pytest
 from views import arguments, bound_args, family, plan_checked, slot_fields, template
 from views import view as _make_view
 
+from cupy_merge import _array_rules, _options, _tuning
 from cupy_merge import _catalogue as cat
-from cupy_merge import _checks, _options, _tuning
 from cupy_merge._operands import ManyStateOptions
 from cupy_merge._ops import MERGE_STATES, MERGE_STATES_VARLEN
 
@@ -167,8 +167,8 @@ def test_bad_ragged_inputs_raise_naming_the_argument(argument, view, error, word
 )
 def test_indptr_values_are_checked_on_the_host(values, words):
     with pytest.raises(ValueError, match=f"^indptr: expected .*{words}"):
-        _checks.indptr_values(np.array(values), 20)
-    _checks.indptr_values(np.array([0, 0, 20]), 20)
+        _array_rules.indptr_values(np.array(values), 20)
+    _array_rules.indptr_values(np.array([0, 0, 20]), 20)
 
 
 @pytest.mark.parametrize("base, flag", [("e", 0), (np.e, 0), (2, 1), ("2", 1)])
@@ -324,4 +324,4 @@ def test_a_dense_merge_of_more_states_a_token_than_the_kernels_take_is_refused_n
                 _plan(views)
     # The ragged merge's bound is checked with its offsets, on the host.
     with pytest.raises(ValueError, match=rf"^indptr: expected at most 65536 states a token, got {most + 1}"):
-        _checks.indptr_values(np.array([0, 1, most + 2]), most + 2)
+        _array_rules.indptr_values(np.array([0, 1, most + 2]), most + 2)

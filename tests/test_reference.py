@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from cupy_merge import _arrays, _checks, _dispatch, _tuning, reference
+from cupy_merge import _array_rules, _arrays, _dispatch, _tuning, reference
 from cupy_merge._ops import MERGE_STATE, MERGE_STATES, MERGE_STATES_VARLEN
 
 
@@ -233,7 +233,7 @@ def test_the_ragged_reference_raises_the_gpu_merges_messages_for_bad_shapes(shap
 
 def test_a_float_indptr_is_refused_as_the_gpu_refuses_it():
     with pytest.raises(TypeError) as gpu:
-        _checks.expect_index_array(_arrays.contiguous_spec((5,), "float32", 4, 0), MERGE_STATES.names.indptr)
+        _array_rules.expect_index_array(_arrays.contiguous_spec((5,), "float32", 4, 0), MERGE_STATES.names.indptr)
     _same_error(gpu.value, lambda: reference.merge_states_varlen(np.zeros((4, 3, 8)), np.zeros((3, 4)),
                                                                  np.zeros(5, dtype=np.float32)))  # fmt: skip
 
@@ -249,7 +249,7 @@ def test_a_float_indptr_is_refused_as_the_gpu_refuses_it():
 def test_bad_offsets_raise_the_gpu_merges_messages_when_checked(rng, indptr, words):
     v, s = rng.standard_normal((4, 2, 3)), rng.standard_normal((2, 4))
     with pytest.raises(ValueError) as gpu:
-        _checks.indptr_values(np.array(indptr), 4)  # what merge_states_varlen(check_indptr=True) runs
+        _array_rules.indptr_values(np.array(indptr), 4)  # what merge_states_varlen(check_indptr=True) runs
     with pytest.raises(ValueError, match=f"^indptr: expected .*{words}") as raised:
         reference.merge_states_varlen(v, s, np.array(indptr))
     assert str(raised.value) == str(gpu.value)

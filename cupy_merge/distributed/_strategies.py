@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 
 from .. import _addresses, _arrays, _checks, _dispatch, _launch, _options, _tuning
 from .._arrays import HOST, ArrayView
-from .._checks import RANK_NAMES, StateShape
-from .._operands import RankOperands
+from .._checks import RANK_NAMES
+from .._operands import RankOperands, StateShape
 from ..merge_many import merge_states
 from . import _steps
 from ._collectives import CupyNccl, TorchGroup
