@@ -74,7 +74,8 @@ REFUSED = (
     Refusal(("torch.autograd", "torch.autograd compiled"), lambda operation, variant: not operation.returns,
             "differentia", "a merge that writes into its arguments has no torch gradient (its JAX form "
             "returns new arrays, and the functional merges are differentiable)"),
-    Refusal(("torch.autograd", "torch.autograd compiled", "jax.grad"), lambda operation, variant: variant.fp8,
+    Refusal(("torch.autograd", "torch.autograd compiled", "jax.grad", "jax.shard_map grad"),
+            lambda operation, variant: variant.fp8,
             r"FP8 \(float8_e4m3fn\) output is not differentiable",
             "an FP8 output has no gradient: rounding to FP8 is a step function"),
 )  # fmt: skip

@@ -4,7 +4,7 @@ torch.compile (aot_eager) and torch.export over CPU tensors, with the float64 re
 CPU kernels (test_torch_ops.py's stand-in), and the JAX merges eagerly, under jit, vmap and
 grad on JAX's CPU device, with the kernels' launch replaced by the NumPy stand-in of
 test_jax.py (vmap with each operand batched or shared, at axis 1, nested, lax.scan, vmap of the
-VJP): every declaration, sinks or none, base e or 2, FP8 where taken, against the float64
+VJP, shard_map of the merge and of the VJP): every declaration, sinks or none, base e or 2, FP8 where taken, against the float64
 reference. They check what the integrations derive from the declarations (arguments, options,
 layouts, results and gradients passed through), not the kernels: those are the GPU matrix's.
 """
@@ -31,12 +31,14 @@ def _cells(ways: list[str], differentiable: bool = False) -> list:
             for cell in cases(ways, differentiable)]  # fmt: skip
 
 
-@pytest.mark.parametrize("cell", _cells(["torch.compile", "torch.export", "jax", "jax.jit", *JAX_BATCH_WAYS]), ids=case_id)
+@pytest.mark.parametrize("cell", _cells(["torch.compile", "torch.export", "jax", "jax.jit", *JAX_BATCH_WAYS, "jax.shard_map"]),
+                         ids=case_id)  # fmt: skip
 def test_every_merge_through_the_integrations_follows_the_reference(cpu_kernels, numpy_kernels, rng, cell):  # noqa: F811
     run_forward(cell, rng, device="cpu")
 
 
-@pytest.mark.parametrize("cell", _cells(["torch.autograd compiled", "jax.grad", "jax.vmap grad"], differentiable=True),
+@pytest.mark.parametrize("cell", _cells(["torch.autograd compiled", "jax.grad", "jax.vmap grad", "jax.shard_map grad"],
+                                        differentiable=True),
                          ids=case_id)  # fmt: skip
 def test_every_differentiable_merge_through_the_integrations_gives_the_reference_gradients(
     cpu_kernels, numpy_kernels, rng, cell  # noqa: F811
@@ -44,6 +46,6 @@ def test_every_differentiable_merge_through_the_integrations_gives_the_reference
     run_gradients(cell, rng, device="cpu")
 
 
-@pytest.mark.parametrize("cell", refused_cases(["torch.autograd compiled", "jax.grad"]), ids=case_id)
+@pytest.mark.parametrize("cell", refused_cases(["torch.autograd compiled", "jax.grad", "jax.shard_map grad"]), ids=case_id)
 def test_every_refused_cell_is_refused_with_a_clear_error(cpu_kernels, numpy_kernels, rng, cell):  # noqa: F811
     run_refused(cell, rng, device="cpu")

@@ -32,8 +32,11 @@ pytestmark = pytest.mark.gpu
 #: shared by the batch, or the sinks and scale one a batch element), vmap at axis 1, nested vmap,
 #: lax.scan; for gradients, vmap of the VJP with each operand flipped in turn.
 JAX_BATCH_WAYS = ["jax.vmap", "jax.vmap each", "jax.vmap axis 1", "jax.vmap nested", "jax.scan"]
-FORWARD_WAYS = ["cupy", "torch", "bind", "torch.compile", "torch.export", "jax", "jax.jit", *JAX_BATCH_WAYS]
-GRADIENT_WAYS = ["torch.autograd", "torch.autograd compiled", "jax.grad", "jax.vmap grad"]
+#: shard_map over every device of JAX's default platform: a draw a device, the sinks and scale
+#: replicated (their gradients summed over the devices); under jit, with JAX's varying-axes checks.
+FORWARD_WAYS = ["cupy", "torch", "bind", "torch.compile", "torch.export", "jax", "jax.jit", *JAX_BATCH_WAYS,
+                "jax.shard_map"]  # fmt: skip
+GRADIENT_WAYS = ["torch.autograd", "torch.autograd compiled", "jax.grad", "jax.vmap grad", "jax.shard_map grad"]
 #: Operands a batch shares unless a pattern gives them one a batch element.
 SHARED_BY_DEFAULT = ("sinks", "output_scale")
 
@@ -184,6 +187,56 @@ def _run_jax_batched(operation, variant, arrays, rng, way):
                 raise AssertionError(f"{what}: {error}") from None
 
 
+def _shard_map(function, in_specs, out_specs):
+    """``jax.shard_map`` (``jax.experimental.shard_map`` before JAX 0.7) of ``function`` over a mesh
+    of every device of JAX's default platform, axis ``x``, under ``jax.jit``."""
+    import jax
+    from jax.sharding import Mesh
+
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:
+        from jax.experimental.shard_map import shard_map
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    return jax.jit(shard_map(function, mesh=mesh, in_specs=in_specs, out_specs=out_specs)), mesh.size
+
+
+def _sharded(names, shared) -> tuple:
+    """Partition specs of the arguments ``names``: split along ``x``, or replicated when ``shared``."""
+    from jax.sharding import PartitionSpec
+
+    return tuple(PartitionSpec() if name in shared else PartitionSpec("x") for name in names)
+
+
+def _run_jax_sharded(operation, variant, arrays, rng):
+    """A forward cell inside shard_map: one draw a device (each array split along the mesh, the
+    sinks and scale replicated), each device's merge against its draw's reference."""
+    import jax.numpy as jnp
+
+    function, kwargs = _jax_call(operation, variant, arrays)
+    names = [name for name, value in kwargs.items() if hasattr(value, "shape")]
+    static = {name: value for name, value in kwargs.items() if name not in names}
+
+    def local(*xs):
+        given = {name: x if name in SHARED_BY_DEFAULT else x[0] for name, x in zip(names, xs)}
+        merged, lse = function(**given, **static)[:2]
+        return merged[None], lse[None]
+
+    from jax.sharding import PartitionSpec
+
+    sharded, devices = _shard_map(local, _sharded(names, SHARED_BY_DEFAULT), (PartitionSpec("x"),) * 2)
+    draws = [arrays] + [dict(inputs(operation, variant, rng), **{f: arrays[f] for f in SHARED_BY_DEFAULT if f in arrays})
+                        for _ in range(devices - 1)]  # fmt: skip
+    calls = [_jax_call(operation, variant, draw)[1] for draw in draws]
+    stacked = [calls[0][name] if name in SHARED_BY_DEFAULT else jnp.stack([call[name] for call in calls]) for name in names]
+    merged, lse = sharded(*stacked)
+    for element, draw in enumerate(draws):
+        try:
+            expect_merged(_jax_host(merged[element]), _jax_host(lse[element]), reference_merge(operation, variant, draw),
+                          variant)  # fmt: skip
+        except AssertionError as error:
+            raise AssertionError(f"device {element} of {devices}: {error}") from None
+
+
 # -- the forward matrix ----------------------------------------------------------------------------------
 
 
@@ -256,6 +309,10 @@ def run_refused(cell, rng, device="cuda"):
         def loss(x):
             return function(**dict(kwargs, **{primal: x}))[1].sum()
 
+        if way == "jax.shard_map grad":
+            from jax.sharding import PartitionSpec
+
+            loss, _ = _shard_map(loss, PartitionSpec(), PartitionSpec())
         with pytest.raises(Exception, match=words):
             jax.grad(loss)(kwargs[primal])
 
@@ -288,6 +345,8 @@ def run_forward(cell, rng, device="cuda"):
             static = {name: value for name, value in kwargs.items() if not hasattr(value, "shape")}
             arrays_given = {name: value for name, value in kwargs.items() if hasattr(value, "shape")}
             got = jax.jit(lambda given: function(**given, **static))(arrays_given)
+        elif way == "jax.shard_map":
+            return _run_jax_sharded(operation, variant, arrays, rng)
         else:
             return _run_jax_batched(operation, variant, arrays, rng, way)
         got = (_jax_host(got[0]), _jax_host(got[1]))
@@ -333,6 +392,8 @@ def run_gradients(cell, rng, device="cuda"):
 
         if way == "jax.vmap grad":
             return _run_jax_vmapped_gradients(operation, variant, dict(arrays, grad_out=grad_out, grad_lse=grad_lse), rng)
+        if way == "jax.shard_map grad":
+            return _run_jax_sharded_gradients(operation, variant, dict(arrays, grad_out=grad_out, grad_lse=grad_lse), rng)
         given = {field: jnp.asarray(x) for field, x in arrays.items()}
         fixed = {getattr(names, f): given[f] for f in given if f not in differentiable}
         if takes(operation, "check_indptr"):
@@ -391,3 +452,49 @@ def _run_jax_vmapped_gradients(operation, variant, arrays, rng):
             for field, grad in zip(differentiable, grads):
                 expect_close(np.asarray(grad[index], np.float64), want[field], 1e-5,
                              f"gradient of {field}, batched {sorted(batched)}, element {index}, shapes {[x.shape for x in draw.values()]}")  # fmt: skip
+
+
+def _run_jax_sharded_gradients(operation, variant, arrays, rng):
+    """The VJP inside shard_map: one draw (operands and cotangents) a device, the sinks replicated
+    (their gradient summed over the devices, as JAX's varying-axes types require); each device's
+    gradients against its draw's reference."""
+    import jax
+    import jax.numpy as jnp
+
+    import cupy_merge.jax as cmj
+
+    names = operation.names
+    differentiable = [field for field in operation.gradients if field in arrays]
+    fields = list(arrays)
+    fixed = {"check_indptr": False} if takes(operation, "check_indptr") else {}
+    function = getattr(cmj, operation.name)
+
+    def local(*xs):
+        given = {f: x if f in SHARED_BY_DEFAULT else x[0] for f, x in zip(fields, xs)}
+        held = {getattr(names, f): given[f] for f in fields if f not in differentiable and not f.startswith("grad_")}
+
+        def merge(*primals):
+            kwargs = {getattr(names, f): x for f, x in zip(differentiable, primals)}
+            return function(**kwargs, **held, **fixed, lse_base=variant.lse_base)
+
+        grads = jax.vjp(merge, *(given[f] for f in differentiable))[1]((given["grad_out"], given["grad_lse"]))
+        return tuple(grad if f in SHARED_BY_DEFAULT else grad[None] for f, grad in zip(differentiable, grads))
+
+    sharded, devices = _shard_map(local, _sharded(fields, SHARED_BY_DEFAULT), _sharded(differentiable, SHARED_BY_DEFAULT))
+
+    def fresh():
+        return dict(inputs(operation, variant, rng), grad_out=rng.standard_normal(arrays["grad_out"].shape).astype(np.float32),
+                    grad_lse=rng.standard_normal(arrays["grad_lse"].shape).astype(np.float32))  # fmt: skip
+
+    draws = [arrays] + [dict(fresh(), **{f: arrays[f] for f in SHARED_BY_DEFAULT if f in arrays}) for _ in range(devices - 1)]
+    args = [jnp.asarray(arrays[f]) if f in SHARED_BY_DEFAULT else jnp.stack([draw[f] for draw in draws]) for f in fields]
+    grads = dict(zip(differentiable, sharded(*args)))
+    wants = [reference_gradients(operation, variant, draw, draw["grad_out"], draw["grad_lse"]) for draw in draws]
+    for field in differentiable:
+        if field in SHARED_BY_DEFAULT:  # replicated: the devices' gradients summed
+            expect_close(np.asarray(grads[field], np.float64), sum(want[field] for want in wants), 1e-5,
+                         f"gradient of {field} over {devices} devices")  # fmt: skip
+            continue
+        for index, want in enumerate(wants):
+            expect_close(np.asarray(grads[field][index], np.float64), want[field], 1e-5,
+                         f"gradient of {field}, device {index} of {devices}")  # fmt: skip
