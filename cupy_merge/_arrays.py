@@ -336,6 +336,11 @@ class TorchAdapter(Adapter):
         with torch.cuda.stream(torch_stream(stream, where)):
             return make(shape, dtype=getattr(torch, dtype), device=where)
 
+    def empty_as(self, like: Any, shape: tuple[int, ...], zero: bool = False) -> Any:
+        """A new C-contiguous tensor of ``like``'s dtype and device, for the current stream (what
+        :meth:`empty` makes, without parsing a dtype and a device)."""
+        return like.new_zeros(shape) if zero else like.new_empty(shape)
+
     def pointer(self, array: Any) -> int:
         return array.data_ptr()
 

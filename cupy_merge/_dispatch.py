@@ -96,6 +96,7 @@ class Call(NamedTuple):
     indptr_rows: int | None
     grad: bool = False  # a torch operand requires grad: run through autograd when grad mode is on
     written: tuple[str, ...] = ()  # the caller's torch tensors the launches write into
+    likes: tuple[str | None, ...] = ()  # per fresh output, a torch input it is allocated from (or None)
 
 
 class Guarded(NamedTuple):
@@ -255,7 +256,17 @@ def prepare(operation: Operation, options: Options, operands: Operands, tuning: 
         for output in planned.fresh
     )  # fmt: skip
     grad, written = autograd_facts(operands, tensors)
-    return Call(launches, adapter, device, fresh, planned.indptr_rows, grad, written)
+    likes = tuple(_input_like(output, views) for output in planned.fresh) if adapter is _arrays.TORCH else ()
+    return Call(launches, adapter, device, fresh, planned.indptr_rows, grad, written, likes)
+
+
+def _input_like(output: FreshOutput, views: dict[str, ArrayView]) -> str | None:
+    """An input of the output's dtype: torch allocates the output from it (``new_empty``: no dtype
+    and device to parse, 0.6 us less a tensor), every operand being on the call's device."""
+    for field, view in views.items():
+        if field not in WRITTEN and view.dtype == output.dtype:
+            return field
+    return None
 
 
 def autograd_facts(operands: Operands, tensors: list[str]) -> tuple[bool, tuple[str, ...]]:
@@ -401,7 +412,7 @@ def run(operation: Operation, prepared: Call, operands: Operands, stream: Any) -
         check_values(operation, prepared, operands, stream_ptr)
     outputs: dict[str, Any] = {}
     if prepared.fresh:
-        outputs, patches = allocate(prepared, None if stream is None else stream_ptr)
+        outputs, patches = allocate(prepared, None if stream is None else stream_ptr, operands)
         for index, launch in enumerate(prepared.launches):
             _launch.launch_patched(launch, stream_ptr, patches[index])
     else:
@@ -440,7 +451,9 @@ def check_values(operation: Operation, prepared: Call, operands: Operands, strea
         _array_rules.indptr_values(values, prepared.indptr_rows, operation.names.indptr)  # type: ignore[union-attr]
 
 
-def allocate(prepared: Call, stream: int | None) -> tuple[dict[str, Any], list[list[tuple[int, int]]]]:
+def allocate(
+    prepared: Call, stream: int | None, operands: Operands
+) -> tuple[dict[str, Any], list[list[tuple[int, int]]]]:
     """The call's fresh outputs by field, allocated for ``stream`` (None: the current one), and each
     launch's pointer patches."""
     adapter, device = prepared.adapter, prepared.device
@@ -448,8 +461,13 @@ def allocate(prepared: Call, stream: int | None) -> tuple[dict[str, Any], list[l
         stream = None
     outputs: dict[str, Any] = {}
     patches: list[list[tuple[int, int]]] = [[] for _ in prepared.launches]
-    for output, slots in prepared.fresh:
-        array = adapter.empty(output.shape, output.dtype, device, stream, output.zeroed)
+    likes = prepared.likes if stream is None else ()
+    for number, (output, slots) in enumerate(prepared.fresh):
+        like = likes[number] if likes else None
+        if like is None:
+            array = adapter.empty(output.shape, output.dtype, device, stream, output.zeroed)
+        else:
+            array = _arrays.TORCH.empty_as(getattr(operands, like), output.shape, output.zeroed)
         outputs[output.field] = array
         pointer = adapter.pointer(array)
         for index, slot, offset in slots:  # a gradient's later states lie an offset into it

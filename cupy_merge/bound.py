@@ -95,7 +95,7 @@ class BoundMerge:
                 "merge: JAX arrays are immutable, so a bound merge cannot write into them again; "
                 "call the merge each time instead (under jax.jit it is one launch)"
             )
-        outputs, patches = _dispatch.allocate(prepared, None)
+        outputs, patches = _dispatch.allocate(prepared, None, operands)
         self._launches = tuple(
             _launch.with_pointers(launch, patch) if patch else launch
             for launch, patch in zip(prepared.launches, patches)

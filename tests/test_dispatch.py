@@ -96,6 +96,21 @@ def test_no_guards_are_made_for_one_tensor_passed_twice():
     assert _arrays.torch_addresses((a, np.zeros(3))) is None  # any other kind: the fingerprint path
 
 
+def test_a_fresh_torch_output_is_allocated_from_an_input_of_its_dtype_never_from_an_output():
+    def view(dtype):
+        return _arrays.ArrayView(4096, (2, 3), (3, 1), dtype, 4, 0)
+
+    views = {"out": view("bfloat16"), "out_lse": view("float32"), "v_a": view("bfloat16"), "s_a": view("float32")}
+    assert _dispatch._input_like(_dispatch.FreshOutput("out", (2, 3), "bfloat16"), views) == "v_a"
+    assert _dispatch._input_like(_dispatch.FreshOutput("out_lse", (3, 2), "float32"), views) == "s_a"
+    assert _dispatch._input_like(_dispatch.FreshOutput("out", (2, 3), "float8_e4m3fn"), views) is None
+    torch = pytest.importorskip("torch")
+    like = torch.ones(4, dtype=torch.bfloat16)
+    made = _arrays.TORCH.empty_as(like, (2, 3), zero=True)
+    assert made.dtype == like.dtype and made.device == like.device and made.shape == (2, 3)
+    assert made.is_contiguous() and not made.requires_grad and bool((made == 0).all())
+
+
 def test_arrays_without_a_fingerprint_make_the_call_uncacheable():
     class Producer:  # e.g. a DLPack-only array
         pass
