@@ -96,6 +96,22 @@ def test_no_guards_are_made_for_one_tensor_passed_twice():
     assert _arrays.torch_addresses((a, np.zeros(3))) is None  # any other kind: the fingerprint path
 
 
+def test_a_guarded_entry_keeps_no_tensor_alive():
+    # Entries live in the call cache: holding a caller's tensor would keep its memory allocated.
+    import gc
+    import weakref
+
+    torch = pytest.importorskip("torch")
+    tensor = torch.zeros(256, 256)
+    if _arrays.torch_guards([tensor]) is None:
+        pytest.skip("this torch has no TensorGuards")
+    alive = weakref.ref(tensor)
+    guards = _arrays.torch_guards([tensor])
+    del tensor
+    gc.collect()
+    assert guards is not None and alive() is None
+
+
 def test_a_fresh_torch_output_is_allocated_from_an_input_of_its_dtype_never_from_an_output():
     def view(dtype):
         return _arrays.ArrayView(4096, (2, 3), (3, 1), dtype, 4, 0)
