@@ -2,10 +2,12 @@
 timed alone, 1x32x128 bf16, µs a call (median of batches; no synchronisation inside a batch).
 
 Steps of ``merge_attn_states`` (torch, outputs given), as ``_dispatch.call`` runs them:
-options (the keyword normalisation), operands (the record), fingerprints (six tensors' pointer,
-shape, strides, dtype, flags), lookup (the prepared call by key), stream (torch's current raw
-stream), launch (``_launch.launch``: the context check and cuLaunchKernel), and the driver's
-launch alone; then what ``merge_state`` adds: the two ``torch.empty`` calls. Yardsticks beside.
+options (the keyword normalisation), operands (the record), the tensors' addresses and torch's
+guards over them (the guarded look-up; the fingerprints of six tensors' pointer, shape, strides,
+dtype and flags are what a failed check falls back to), lookup (the prepared call by key), stream
+(torch's current raw stream), launch (``_launch.launch``: the context check and cuLaunchKernel),
+and the driver's launch alone; then what ``merge_state`` adds: two allocations (``new_empty``
+from its inputs since session 28; ``torch.empty`` beside). Yardsticks beside.
 
 Usage: python3 .ci/host_profile.py
 """
@@ -36,10 +38,13 @@ def main():
     launch = prepared.launches[0]
     stream = _arrays.TORCH.current_stream(0)
     driver = _launch._driver_launch
+    guards = _arrays.torch_guards([out, out_lse, v_a, s_a, v_b, s_b])
     steps = {
         "whole call: merge_attn_states": lambda: cm.merge_attn_states(out, v_a, s_a, v_b, s_b, out_lse),
         "options": lambda: _options.two_state_options(),
         "operands record": lambda: TwoStateOperands(out, out_lse, v_a, s_a, v_b, s_b, None, None, None, None),
+        "torch addresses (guarded key)": lambda: _arrays.torch_addresses(operands),
+        "torch guards check (6 tensors)": lambda: guards.check(out, out_lse, v_a, s_a, v_b, s_b),
         "fingerprints (6 tensors)": lambda: _arrays.fingerprints(operands),
         "one tensor's fingerprint": lambda: (
             v_a.data_ptr(),
@@ -58,6 +63,7 @@ def main():
             launch.function, *launch.grid, *launch.block, launch.shared_bytes, stream, launch.params, 0
         ),
         "merge_state (allocating)": lambda: cm.merge_state(v_a, s_a, v_b, s_b),
+        "2x new_empty": lambda: (v_a.new_empty((1, 32, 128)), s_a.new_empty((32, 1))),
         "2x torch.empty": lambda: (
             torch.empty((1, 32, 128), dtype=torch.bfloat16, device="cuda"),
             torch.empty((32, 1), dtype=torch.float32, device="cuda"),

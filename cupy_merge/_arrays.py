@@ -513,18 +513,31 @@ def torch_guards(tensors: list) -> Any | None:
         return None
     global _TENSOR_GUARDS
     if _TENSOR_GUARDS is None:
-        try:
-            from torch._C._dynamo import guards
-
-            _TENSOR_GUARDS = guards.TensorGuards
-        except (ImportError, AttributeError):
-            _TENSOR_GUARDS = False
+        _TENSOR_GUARDS = _checked_tensor_guards()
     if _TENSOR_GUARDS is False:
         return None
     try:
         return _TENSOR_GUARDS(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
     except (TypeError, RuntimeError):  # a torch whose TensorGuards takes other arguments
         return None
+
+
+def _checked_tensor_guards() -> Any:
+    """torch's TensorGuards if it behaves as :func:`torch_guards` relies on (a private class: its
+    arguments and meaning may change), else False: guards made for a tensor pass it and fail a
+    view of its memory with another shape, strides, dtype or negation bit."""
+    try:
+        from torch._C._dynamo import guards
+
+        torch = torch_module()
+        probe = torch.zeros(2, 4)
+        guard_class: Any = guards.TensorGuards
+        made = guard_class(probe, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        others = (probe.t(), probe[:, ::2], probe[:1], probe.view(torch.int32), probe._neg_view())
+        works = made.check(probe) and not any(made.check(other) for other in others)
+    except Exception:  # noqa: BLE001 - any failure of a private API means: do without it
+        return False
+    return guard_class if works else False
 
 
 def stream_pointer(stream: Any) -> int:

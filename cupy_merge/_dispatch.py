@@ -54,6 +54,8 @@ from ._operands import (
 from ._ops import FORWARD_RESULTS, Operation
 
 _MAX_CALLS = 4096
+#: Guarded entries kept for one set of addresses (calls alternating shapes at the same pointers).
+_GUARDED_PER_ADDRESSES = 4
 #: Prepared calls by fingerprint (and :class:`Guarded` entries), for the default tuning (others:
 #: ``_calls_by_tuning``).
 _calls: dict[tuple, Any] = {}
@@ -102,7 +104,9 @@ class Call(NamedTuple):
 class Guarded(NamedTuple):
     """A fast-path entry for torch tensors, found by their data pointers alone (its key ends with
     this class, so it never meets a fingerprint's key) and used only when ``guards`` passes them:
-    torch's C++ check of the rest of what a fingerprint holds (:func:`_arrays.torch_guards`)."""
+    torch's C++ check of the rest of what a fingerprint holds (:func:`_arrays.torch_guards`). A
+    key holds the newest few entries (:data:`_GUARDED_PER_ADDRESSES`): one buffer's slices of
+    several lengths share their addresses."""
 
     guards: Any
     call: Call
@@ -175,9 +179,10 @@ def call(operation: Operation, options: Options, operands: Operands, stream: Any
     prepared: Call | None = None
     if torch_operands is not None:
         addresses, tensors = torch_operands
-        guarded = calls.get((operation, options, addresses, Guarded))
-        if guarded is not None and guarded.guards.check(*tensors):
-            prepared = guarded.call
+        for guarded in calls.get((operation, options, addresses, Guarded), ()):
+            if guarded.guards.check(*tensors):
+                prepared = guarded.call
+                break
     if prepared is None:
         fingerprint = _arrays.fingerprints(operands)
         if fingerprint is None:  # an array kind without a cheap fingerprint: JAX's own path, or prepare afresh
@@ -189,7 +194,9 @@ def call(operation: Operation, options: Options, operands: Operands, stream: Any
             if torch_operands is not None:
                 guards = _arrays.torch_guards(tensors)
                 if guards is not None:
-                    _remember(calls, (operation, options, addresses, Guarded), Guarded(guards, prepared))
+                    key = (operation, options, addresses, Guarded)
+                    kept = calls.get(key, ())[: _GUARDED_PER_ADDRESSES - 1]
+                    _remember(calls, key, (Guarded(guards, prepared), *kept))
     if prepared.grad and _grad_enabled():
         return _autograd_call(operation, options, operands, stream)  # type: ignore[misc]
     result = run(operation, prepared, operands, stream)
@@ -256,15 +263,17 @@ def prepare(operation: Operation, options: Options, operands: Operands, tuning: 
         for output in planned.fresh
     )  # fmt: skip
     grad, written = autograd_facts(operands, tensors)
-    likes = tuple(_input_like(output, views) for output in planned.fresh) if adapter is _arrays.TORCH else ()
+    likes = tuple(_input_like(output, views, operands) for output in planned.fresh) if adapter is _arrays.TORCH else ()
     return Call(launches, adapter, device, fresh, planned.indptr_rows, grad, written, likes)
 
 
-def _input_like(output: FreshOutput, views: dict[str, ArrayView]) -> str | None:
-    """An input of the output's dtype: torch allocates the output from it (``new_empty``: no dtype
-    and device to parse, 0.6 us less a tensor), every operand being on the call's device."""
+def _input_like(output: FreshOutput, views: dict[str, ArrayView], operands: Operands) -> str | None:
+    """An input of the output's dtype that is a plain torch tensor (a subclass would make the
+    output its own type, another kind has no ``new_empty``): torch allocates the output from it
+    (no dtype and device to parse, 0.6 us less a tensor), every operand being on the call's device."""
     for field, view in views.items():
-        if field not in WRITTEN and view.dtype == output.dtype:
+        if (field not in WRITTEN and view.dtype == output.dtype
+                and type(getattr(operands, field)) in _arrays.torch_types):  # fmt: skip
             return field
     return None
 

@@ -79,6 +79,30 @@ def test_a_guarded_entry_serves_the_same_tensors_and_never_another_array_at_thei
         assert call(base) is first, what  # and the first is still found, by its fingerprint
     with torch.inference_mode():  # another dispatch state fails the guards: the fingerprint path
         assert call(base) is first
+    # One buffer's slices of two lengths share their addresses: each keeps a guarded entry.
+    monkeypatch.setattr(_dispatch, "_calls", {})
+    first, short = call(base), call(base[:2])
+    monkeypatch.setattr(_arrays, "fingerprints", lambda operands: pytest.fail("a guarded entry was missed"))
+    for _ in range(3):
+        assert call(base) is first and call(base[:2]) is short
+
+
+def test_torchs_tensor_guards_are_used_only_while_they_behave_as_relied_on(monkeypatch):
+    torch = pytest.importorskip("torch")
+    guards = pytest.importorskip("torch._C._dynamo.guards")
+    assert _arrays._checked_tensor_guards() is guards.TensorGuards
+
+    class Lenient:  # a TensorGuards that stopped checking shapes
+        def __init__(self, *tensors, **kwargs):
+            pass
+
+        def check(self, *tensors):
+            return True
+
+    monkeypatch.setattr(guards, "TensorGuards", Lenient)
+    assert _arrays._checked_tensor_guards() is False
+    monkeypatch.setattr(_arrays, "_TENSOR_GUARDS", None)
+    assert _arrays.torch_guards([torch.zeros(1)]) is None
 
 
 def test_no_guards_are_made_for_one_tensor_passed_twice():
@@ -116,11 +140,18 @@ def test_a_fresh_torch_output_is_allocated_from_an_input_of_its_dtype_never_from
     def view(dtype):
         return _arrays.ArrayView(4096, (2, 3), (3, 1), dtype, 4, 0)
 
-    views = {"out": view("bfloat16"), "out_lse": view("float32"), "v_a": view("bfloat16"), "s_a": view("float32")}
-    assert _dispatch._input_like(_dispatch.FreshOutput("out", (2, 3), "bfloat16"), views) == "v_a"
-    assert _dispatch._input_like(_dispatch.FreshOutput("out_lse", (3, 2), "float32"), views) == "s_a"
-    assert _dispatch._input_like(_dispatch.FreshOutput("out", (2, 3), "float8_e4m3fn"), views) is None
     torch = pytest.importorskip("torch")
+
+    class Tagged(torch.Tensor):  # a subclass: an output made from it would come back Tagged
+        pass
+
+    views = {"out": view("bfloat16"), "out_lse": view("float32"), "v_a": view("bfloat16"), "s_a": view("float32"),
+             "v_b": view("bfloat16"), "s_b": view("float32")}  # fmt: skip
+    operands = TwoStateOperands(None, None, torch.ones(1).as_subclass(Tagged), np.ones(1), torch.ones(1), torch.ones(1))
+    _arrays.fingerprints((torch.ones(1),))  # the tensor types are learned by the first fingerprint
+    assert _dispatch._input_like(_dispatch.FreshOutput("out", (2, 3), "bfloat16"), views, operands) == "v_b"
+    assert _dispatch._input_like(_dispatch.FreshOutput("out_lse", (3, 2), "float32"), views, operands) == "s_b"
+    assert _dispatch._input_like(_dispatch.FreshOutput("out", (2, 3), "float8_e4m3fn"), views, operands) is None
     like = torch.ones(4, dtype=torch.bfloat16)
     made = _arrays.TORCH.empty_as(like, (2, 3), zero=True)
     assert made.dtype == like.dtype and made.device == like.device and made.shape == (2, 3)
