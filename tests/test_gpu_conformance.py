@@ -414,33 +414,47 @@ def run_gradients(cell, rng, device="cuda"):
         expect_close(got[field], want[field], 1e-5, f"gradient of {field}")
 
 
+def _element_vjp(operation, variant, given: dict) -> tuple:
+    """The VJP of one element's merge (``cupy_merge.jax``) at ``given``, its operands and the
+    cotangents ``grad_out`` and ``grad_lse`` by field: the gradients of its differentiable operands."""
+    import jax
+
+    import cupy_merge.jax as cmj
+
+    names = operation.names
+    differentiable = [field for field in operation.gradients if field in given]
+    held = {getattr(names, f): x for f, x in given.items() if f not in differentiable and not f.startswith("grad_")}
+    if takes(operation, "check_indptr"):
+        held["check_indptr"] = False
+    function = getattr(cmj, operation.name)
+
+    def merge(*primals):
+        kwargs = {getattr(names, f): x for f, x in zip(differentiable, primals)}
+        return function(**kwargs, **held, lse_base=variant.lse_base)
+
+    return jax.vjp(merge, *(given[f] for f in differentiable))[1]((given["grad_out"], given["grad_lse"]))
+
+
+def _fresh_with_cotangents(operation, variant, arrays: dict, rng):
+    """Another draw of the operands and cotangents of ``arrays``' shapes."""
+    cotangents = {f: rng.standard_normal(arrays[f].shape).astype(np.float32) for f in ("grad_out", "grad_lse")}
+    return dict(inputs(operation, variant, rng), **cotangents)
+
+
 def _run_jax_vmapped_gradients(operation, variant, arrays, rng):
     """vmap of the VJP over a batch of two draws (operands and cotangents), every operand batched
     but the sinks, then each in turn flipped; each element's gradients against its reference."""
     import jax
     import jax.numpy as jnp
 
-    import cupy_merge.jax as cmj
-
-    names = operation.names
     differentiable = [field for field in operation.gradients if field in arrays]
     fields = list(arrays)
-    fixed = {"check_indptr": False} if takes(operation, "check_indptr") else {}
-    function = getattr(cmj, operation.name)
 
     def element(*xs):
-        given = dict(zip(fields, xs))
-        held = {getattr(names, f): given[f] for f in fields if f not in differentiable and not f.startswith("grad_")}
-
-        def merge(*primals):
-            kwargs = {getattr(names, f): x for f, x in zip(differentiable, primals)}
-            return function(**kwargs, **held, **fixed, lse_base=variant.lse_base)
-
-        return jax.vjp(merge, *(given[f] for f in differentiable))[1]((given["grad_out"], given["grad_lse"]))
+        return _element_vjp(operation, variant, dict(zip(fields, xs)))
 
     def fresh():
-        return dict(inputs(operation, variant, rng), grad_out=rng.standard_normal(arrays["grad_out"].shape).astype(np.float32),
-                    grad_lse=rng.standard_normal(arrays["grad_lse"].shape).astype(np.float32))  # fmt: skip
+        return _fresh_with_cotangents(operation, variant, arrays, rng)
 
     default = frozenset(field for field in fields if field not in SHARED_BY_DEFAULT)
     for geometry, batched in itertools.product(_geometries(operation), [default ^ {field} for field in fields]):
@@ -458,33 +472,19 @@ def _run_jax_sharded_gradients(operation, variant, arrays, rng):
     """The VJP inside shard_map: one draw (operands and cotangents) a device, the sinks replicated
     (their gradient summed over the devices, as JAX's varying-axes types require); each device's
     gradients against its draw's reference."""
-    import jax
     import jax.numpy as jnp
 
-    import cupy_merge.jax as cmj
-
-    names = operation.names
     differentiable = [field for field in operation.gradients if field in arrays]
     fields = list(arrays)
-    fixed = {"check_indptr": False} if takes(operation, "check_indptr") else {}
-    function = getattr(cmj, operation.name)
 
     def local(*xs):
-        given = {f: x if f in SHARED_BY_DEFAULT else x[0] for f, x in zip(fields, xs)}
-        held = {getattr(names, f): given[f] for f in fields if f not in differentiable and not f.startswith("grad_")}
-
-        def merge(*primals):
-            kwargs = {getattr(names, f): x for f, x in zip(differentiable, primals)}
-            return function(**kwargs, **held, **fixed, lse_base=variant.lse_base)
-
-        grads = jax.vjp(merge, *(given[f] for f in differentiable))[1]((given["grad_out"], given["grad_lse"]))
+        grads = _element_vjp(operation, variant, {f: x if f in SHARED_BY_DEFAULT else x[0] for f, x in zip(fields, xs)})
         return tuple(grad if f in SHARED_BY_DEFAULT else grad[None] for f, grad in zip(differentiable, grads))
 
     sharded, devices = _shard_map(local, _sharded(fields, SHARED_BY_DEFAULT), _sharded(differentiable, SHARED_BY_DEFAULT))
 
     def fresh():
-        return dict(inputs(operation, variant, rng), grad_out=rng.standard_normal(arrays["grad_out"].shape).astype(np.float32),
-                    grad_lse=rng.standard_normal(arrays["grad_lse"].shape).astype(np.float32))  # fmt: skip
+        return _fresh_with_cotangents(operation, variant, arrays, rng)
 
     draws = [arrays] + [dict(fresh(), **{f: arrays[f] for f in SHARED_BY_DEFAULT if f in arrays}) for _ in range(devices - 1)]
     args = [jnp.asarray(arrays[f]) if f in SHARED_BY_DEFAULT else jnp.stack([draw[f] for draw in draws]) for f in fields]
