@@ -3,7 +3,9 @@
 Each function takes the peer's arguments in the peer's layout, checks them
 against that layout (errors name the peer's arguments), and calls one core
 merge on zero-copy views (transposes and permutes); outputs the peer returns
-are allocated in the peer's layout and written through transposed views.
+are allocated in the peer's layout and written through transposed views. A
+drop-in is declared (``_peer.PeerMerge``: the core operation, each argument's
+operand and axes in the peer's names) and all of that is derived from it.
 
 * :mod:`cupy_merge.compat.flashinfer`: FlashInfer's ``merge_state``, ``merge_state_in_place``,
   ``merge_states`` and ``flashinfer.triton.cascade.variable_length_merge_states``; LSE

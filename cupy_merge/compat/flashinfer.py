@@ -29,59 +29,45 @@ that is not bool (FlashInfer reads any dtype's bytes), a non-float32 ``s`` in
 
 from __future__ import annotations
 
-from typing import Any
-
-import cupy_merge as _cm
-
+from .. import _ops
 from ..types import Array, Stream
-from . import (
-    INDEX_DTYPES,
-    cast,
-    dtype_of,
-    empty,
-    expect_flag,
-    expect_like,
-    expect_ndim,
-    expect_shape,
-    expect_values,
-    index_array,
-    lse_input,
-    permute,
-    shape_of,
-    take,
-)
+from . import expect_flag
+from ._peer import Arg, PeerMerge
 
-VALUES = "[seq_len, num_heads, head_dim]"
-LSE = "[seq_len, num_heads]"
-STATES_VALUES = "[seq_len, num_states, num_heads, head_dim]"
-STATES_LSE = "[seq_len, num_states, num_heads]"
-RAGGED_VALUES = "[total_num_states, num_heads, head_dim]"
-RAGGED_LSE = "[total_num_states, num_heads]"
+VALUES = ("seq_len", "num_heads", "head_dim")
+LSE = ("seq_len", "num_heads")
 CONVENTION = "FlashInfer's token-major, base-2 LSE"
-VALUES_CONVENTION = "FlashInfer's layout"
 SWAPPED = (
     "that is cupy_merge's [num_heads, num_tokens] layout: FlashInfer's LSE is token-major, pass it "
     "as FlashInfer takes it (or call the core merge with lse_base=2)"
 )
+_RESULTS = (Arg("V", "out", VALUES), Arg("S", "out_lse", LSE))
 
 
-def _state(v: Any, name: str) -> tuple[Any, Any, tuple[int, ...]]:
-    v, adapter = take(v, name)
-    shape = expect_values(v, name, 3, VALUES, VALUES_CONVENTION)
-    return v, adapter, shape
+def _peer(operation: _ops.Operation, *arguments: Arg, results: tuple[Arg, ...] = _RESULTS) -> PeerMerge:
+    return PeerMerge(operation, arguments, results, "FlashInfer's layout", CONVENTION, SWAPPED)
 
 
-def _lse(s: Any, name: str, seq_len: int, num_heads: int, source: str, castable: bool = True) -> Any:
-    note = (
-        "; FlashInfer's merge_state_in_place would update a float32 copy of it and lose the update: "
-        "keep the LSE in float32"
-        if not castable
-        else ""
-    )
-    return lse_input(
-        s, name, (seq_len, num_heads), LSE, source, CONVENTION, castable=castable, swapped_hint=SWAPPED,
-        cast_note=note,
-    )  # fmt: skip
+_MERGE_STATE = _peer(
+    _ops.MERGE_STATE, Arg("v_a", "v_a", VALUES), Arg("v_b", "v_b", VALUES), Arg("s_a", "s_a", LSE), Arg("s_b", "s_b", LSE)
+)
+_MERGE_STATE_IN_PLACE = _peer(
+    _ops.MERGE_STATE_IN_PLACE, Arg("v", "v_a", VALUES), Arg("v_other", "v_b", VALUES),
+    Arg("s", "s_a", LSE, castable=False, note=(
+        "; FlashInfer's merge_state_in_place would update a float32 copy of it and lose the update: keep the LSE "
+        "in float32")),
+    Arg("s_other", "s_b", LSE), Arg("mask", "mask", ("seq_len",), note="FlashInfer reads any dtype's bytes as "
+                                                                        "flags: pass mask != 0"),
+    results=(),
+)  # fmt: skip
+_MERGE_STATES = _peer(
+    _ops.MERGE_STATES, Arg("v", "v", ("seq_len", "num_states", "num_heads", "head_dim")),
+    Arg("s", "s", ("seq_len", "num_states", "num_heads")),
+)  # fmt: skip
+_VARIABLE_LENGTH = _peer(
+    _ops.MERGE_STATES_VARLEN, Arg("v", "v", ("total_num_states", "num_heads", "head_dim")),
+    Arg("s", "s", ("total_num_states", "num_heads")), Arg("indptr", "indptr", ("seq_len + 1",)),
+)  # fmt: skip
 
 
 def merge_state(
@@ -150,18 +136,7 @@ def merge_state(
     >>> V.shape, S.shape, S.dtype                                                  # doctest: +SKIP
     (torch.Size([2048, 32, 128]), torch.Size([2048, 32]), torch.float32)
     """
-    v_a, adapter, (seq_len, num_heads, head_dim) = _state(v_a, "v_a")
-    v_b, _ = take(v_b, "v_b")
-    expect_like(v_b, v_a, "v_b", "v_a")
-    s_a = _lse(s_a, "s_a", seq_len, num_heads, "v_a")
-    s_b = _lse(s_b, "s_b", seq_len, num_heads, "v_a")
-    merged_v = empty(v_a, adapter, (seq_len, num_heads, head_dim), dtype_of(v_a), stream)
-    merged_s = empty(v_a, adapter, (seq_len, num_heads), "float32", stream)
-    _cm.merge_state(
-        v_a, permute(s_a, 1, 0), v_b, permute(s_b, 1, 0),
-        out=merged_v, out_lse=permute(merged_s, 1, 0), lse_base=2, stream=stream,
-    )  # fmt: skip
-    return merged_v, merged_s
+    return _MERGE_STATE(locals(), stream, lse_base=2)  # type: ignore[return-value]
 
 
 def merge_state_in_place(
@@ -222,23 +197,7 @@ def merge_state_in_place(
     >>> mask = torch.rand(512, device="cuda") > 0.5                                # doctest: +SKIP
     >>> flashinfer.merge_state_in_place(v, s, v_other, s_other, mask)              # doctest: +SKIP
     """
-    v, _, (seq_len, num_heads, _) = _state(v, "v")
-    v_other, _ = take(v_other, "v_other")
-    expect_like(v_other, v, "v_other", "v")
-    s = _lse(s, "s", seq_len, num_heads, "v", castable=False)
-    s_other = _lse(s_other, "s_other", seq_len, num_heads, "v")
-    if mask is not None:
-        mask, _ = take(mask, "mask")
-        expect_ndim(mask, 1, "mask", "[seq_len]", "one flag a token")
-        expect_shape(mask, (seq_len,), "mask", "[seq_len]", "v", "one flag a token")
-        if dtype_of(mask) != "bool":
-            raise TypeError(
-                f"mask: expected dtype bool [seq_len] (True merges the token), got {dtype_of(mask)}; "
-                "FlashInfer reads any dtype's bytes as flags: pass mask != 0"
-            )
-    _cm.merge_state_in_place(
-        v, permute(s, 1, 0), v_other, permute(s_other, 1, 0), mask, lse_base=2, stream=stream
-    )
+    _MERGE_STATE_IN_PLACE(locals(), stream, lse_base=2)
 
 
 def merge_states(v: Array, s: Array, *, stream: Stream = None) -> tuple[Array, Array]:
@@ -295,19 +254,7 @@ def merge_states(v: Array, s: Array, *, stream: Stream = None) -> tuple[Array, A
     >>> V.shape, S.shape                                                           # doctest: +SKIP
     (torch.Size([2048, 32, 128]), torch.Size([2048, 32]))
     """
-    v, adapter = take(v, "v")
-    seq_len, num_states, num_heads, head_dim = expect_values(v, "v", 4, STATES_VALUES, VALUES_CONVENTION)
-    s = lse_input(
-        s, "s", (seq_len, num_states, num_heads), STATES_LSE, "v", "FlashInfer's token-major, base-2 LSEs",
-        castable=True,
-    )  # fmt: skip
-    merged_v = empty(v, adapter, (seq_len, num_heads, head_dim), dtype_of(v), stream)
-    merged_s = empty(v, adapter, (seq_len, num_heads), "float32", stream)
-    _cm.merge_states(
-        permute(v, 1, 0, 2, 3), permute(s, 1, 2, 0),
-        out=merged_v, out_lse=permute(merged_s, 1, 0), lse_base=2, stream=stream,
-    )  # fmt: skip
-    return merged_v, merged_s
+    return _MERGE_STATES(locals(), stream, lse_base=2)  # type: ignore[return-value]
 
 
 def variable_length_merge_states(
@@ -376,28 +323,8 @@ def variable_length_merge_states(
     >>> V.shape, S.shape                                                           # doctest: +SKIP
     (torch.Size([2048, 32, 128]), torch.Size([2048, 32]))
     """
-    v, adapter = take(v, "v")
-    total, num_heads, head_dim = expect_values(v, "v", 3, RAGGED_VALUES, VALUES_CONVENTION)
-    s = lse_input(
-        s, "s", (total, num_heads), RAGGED_LSE, "v", CONVENTION, castable=True, swapped_hint=SWAPPED
-    )
-    indptr = index_array(
-        indptr, "indptr", INDEX_DTYPES + ("int16", "int8", "uint8", "uint16", "uint32"), "[seq_len + 1]"
-    )
-    if dtype_of(indptr) not in INDEX_DTYPES:
-        indptr = cast(indptr, "int32")
-    (count,) = shape_of(indptr)
-    if count < 1:
-        raise ValueError("indptr: expected [seq_len + 1] offsets, at least one (0), got an empty array")
     expect_flag(check_indptr, "check_indptr")
-    seq_len = count - 1
-    merged_v = empty(v, adapter, (seq_len, num_heads, head_dim), dtype_of(v), stream)
-    merged_s = empty(v, adapter, (seq_len, num_heads), "float32", stream)
-    _cm.merge_states_varlen(
-        v, permute(s, 1, 0), indptr,
-        out=merged_v, out_lse=permute(merged_s, 1, 0), lse_base=2, check_indptr=check_indptr, stream=stream,
-    )  # fmt: skip
-    return merged_v, merged_s
+    return _VARIABLE_LENGTH(locals(), stream, lse_base=2, check_indptr=check_indptr)  # type: ignore[return-value]
 
 
 __all__ = ["merge_state", "merge_state_in_place", "merge_states", "variable_length_merge_states"]

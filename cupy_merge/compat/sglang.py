@@ -23,31 +23,21 @@ SGLang has three functions called "merge_state", and their LSE bases differ:
 
 from __future__ import annotations
 
-import cupy_merge as _cm
-
+from .. import _ops
 from ..types import Array, LseBase, Stream
-from . import (
-    VALUE_DTYPES,
-    dtype_of,
-    empty,
-    expect_dtype,
-    expect_flag,
-    expect_like,
-    expect_ndim,
-    expect_shape,
-    expect_unit_last_stride,
-    expect_values,
-    lse_input,
-    lse_output,
-    permute,
-    take,
-)
+from . import expect_flag
+from ._peer import Arg, PeerMerge
 
-VALUES = "[seq_len, num_heads, head_dim]"
-LSE = "[seq_len, num_heads]"
-SWAPPED = (
-    "that is cupy_merge's [num_heads, num_tokens] layout: SGLang's LSE is token-major, pass it as "
-    "SGLang takes it (or call cupy_merge.merge_state)"
+VALUES = ("seq_len", "num_heads", "head_dim")
+LSE = ("seq_len", "num_heads")
+_MERGE_STATE_V2 = PeerMerge(
+    _ops.MERGE_STATE,
+    (Arg("v_a", "v_a", VALUES), Arg("v_b", "v_b", VALUES), Arg("s_a", "s_a", LSE), Arg("s_b", "s_b", LSE)),
+    (Arg("v_merged", "out", VALUES), Arg("s_merged", "out_lse", LSE)),
+    "SGLang's layout",
+    "SGLang's token-major LSE, natural log",
+    "that is cupy_merge's [num_heads, num_tokens] layout: SGLang's LSE is token-major, pass it as SGLang takes it "
+    "(or call cupy_merge.merge_state)",
 )
 
 
@@ -143,35 +133,9 @@ def merge_state_v2(
     >>> v, s = sglang.merge_state_v2(v_a, s_a, v_b, s_b)                           # doctest: +SKIP
     >>> v, s = sglang.merge_state_v2(v_a, s_a, v_b, s_b, v_a, s_a)  # in place     # doctest: +SKIP
     """
-    v_a, adapter = take(v_a, "v_a")
-    seq_len, num_heads, head_dim = expect_values(v_a, "v_a", 3, VALUES, "SGLang's layout")
-    v_b, _ = take(v_b, "v_b")
-    expect_like(v_b, v_a, "v_b", "v_a")
-    convention = "SGLang's token-major LSE, " + ("base 2" if lse_base == 2 else "natural log")
-    s_a = lse_input(
-        s_a, "s_a", (seq_len, num_heads), LSE, "v_a", convention, castable=True, swapped_hint=SWAPPED
-    )
-    s_b = lse_input(
-        s_b, "s_b", (seq_len, num_heads), LSE, "v_a", convention, castable=True, swapped_hint=SWAPPED
-    )
     expect_flag(enable_pdl, "enable_pdl", none=True)
-    if v_merged is None:
-        v_merged = empty(v_a, adapter, (seq_len, num_heads, head_dim), dtype_of(v_a), stream)
-    else:
-        v_merged, _ = take(v_merged, "v_merged")
-        expect_ndim(v_merged, 3, "v_merged", VALUES, "SGLang's layout")
-        expect_shape(v_merged, (seq_len, num_heads, head_dim), "v_merged", VALUES, "v_a", "SGLang's layout")
-        expect_dtype(v_merged, "v_merged", VALUE_DTYPES)
-        expect_unit_last_stride(v_merged, "v_merged", VALUES)
-    if s_merged is None:
-        s_merged = empty(v_a, adapter, (seq_len, num_heads), "float32", stream)
-    else:
-        s_merged = lse_output(s_merged, "s_merged", (seq_len, num_heads), LSE, "v_a", convention)
-    _cm.merge_state(
-        v_a, permute(s_a, 1, 0), v_b, permute(s_b, 1, 0),
-        out=v_merged, out_lse=permute(s_merged, 1, 0), lse_base=lse_base, stream=stream,
-    )  # fmt: skip
-    return v_merged, s_merged
+    convention = "SGLang's token-major LSE, base 2" if lse_base == 2 else ""
+    return _MERGE_STATE_V2(locals(), stream, convention, lse_base=lse_base)  # type: ignore[return-value]
 
 
 __all__ = ["merge_state_v2"]
