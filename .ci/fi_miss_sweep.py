@@ -1,0 +1,134 @@
+"""Issue 51's kernel misses against FlashInfer: the planner's variants (through ``_tuning.use``) and,
+with ``--branching``, the two-way kernel's non-grouped path weighing with ``weigh_pack_branching``
+(patched into the source this process compiles; the disk cache is keyed by the source text). Each
+variant is checked against FlashInfer's result, then timed paired with FlashInfer's kernel in the
+same process (CUDA events, L2 flushed, the median of 3 rounds), with a same-bytes copy.
+The predictions being tested: docs/PERF.md, session 28 (a helper's static analysis).
+
+Usage (device, carry .anchors): python3 .ci/fi_miss_sweep.py; python3 .ci/fi_miss_sweep.py --branching
+"""
+
+import functools
+import statistics
+import sys
+
+import torch
+
+import cupy_merge as cm
+from cupy_merge import _kernels, _tuning
+from cupy_merge.tools.bench_cases import ragged_indptr
+from cupy_merge.tools.bench_flashinfer import from_source_tree
+from cupy_merge.tools.timing import copy_us, median_ms
+
+BRANCHING = "--branching" in sys.argv
+DEFAULT = _tuning.DEFAULT
+N_WAY_VARIANTS = {
+    "default": DEFAULT,
+    "min_blocks 132": DEFAULT.replace(min_blocks=132),
+    "min_blocks 256": DEFAULT.replace(min_blocks=256),
+    "row 8, 64 threads, min_blocks 512": DEFAULT.replace(min_row_threads=8, packed_many_threads=64, min_blocks=512),
+}
+RAGGED_VARIANTS = {
+    "default": DEFAULT,
+    "busy 1<<19": DEFAULT.replace(busy_threads=1 << 19),
+    "busy 1<<20": DEFAULT.replace(busy_threads=1 << 20),
+    "busy 1<<21": DEFAULT.replace(busy_threads=1 << 21),
+}
+
+
+def _patch_branching() -> None:
+    read = _kernels._read
+
+    def patched(name: str) -> str:
+        text = read(name)
+        if name == "merge_two_states.cu":
+            old = "  weigh_pack(w, a, b, merged);\n  return output_pack"
+            assert old in text, "merge_pack's weighing changed: update this script"
+            text = text.replace(old, "  weigh_pack_branching(w, a, b, merged);\n  return output_pack")
+        return text
+
+    _kernels._read = patched
+
+
+def _us(run) -> float:
+    return median_ms(run) * 1e3
+
+
+def measure(label: str, variant: str, tuning, ours, theirs, out, their_out, traffic: int, rows: list) -> None:
+    """``ours`` checked against ``theirs`` (NaN-poisoned first), then both timed alternately."""
+    with _tuning.use(tuning):
+        out.fill_(float("nan"))
+        ours()
+        theirs()
+        torch.cuda.synchronize()
+        assert not torch.isnan(out.float()).any(), f"{label} {variant}: an element was not written"
+        diff = (out.float() - their_out.float()).abs().max().item()
+        times_ours, times_theirs = [], []
+        for _ in range(3):
+            times_ours.append(_us(ours))
+            times_theirs.append(_us(theirs))
+    a, b = statistics.median(times_ours), statistics.median(times_theirs)
+    rows.append((label, variant, a, b, b / a, copy_us(traffic) / a * 100, diff))
+    print(f"{label:24s} {variant:34s} ours {a:8.2f} fi {b:8.2f} fi/ours {b / a:5.3f} "
+          f"copy% {rows[-1][5]:5.1f} diff {diff:.3g}", flush=True)  # fmt: skip
+
+
+def two_way(fi, rows: list) -> None:
+    for tokens, heads, head_size in [(4096, 8, 64), (4096, 32, 128), (1, 32, 128)]:
+        v_a, v_b = (torch.randn(tokens, heads, head_size, device="cuda").bfloat16() for _ in range(2))
+        s_a, s_b = (torch.randn(tokens, heads, device="cuda") * 3 for _ in range(2))  # FlashInfer's [T, H], base 2
+        out, out_lse = torch.empty_like(v_a), torch.empty(heads, tokens, device="cuda")
+        theirs = fi.two_way(v_a, s_a, v_b, s_b)
+        ours = functools.partial(cm.merge_state, v_a, s_a.T, v_b, s_b.T, out=out, out_lse=out_lse, lse_base=2)
+        measure(f"two {tokens}x{heads}x{head_size}", "branching" if BRANCHING else "default", DEFAULT, ours,
+                theirs, out, theirs(), 3 * v_a.nbytes + 3 * s_a.nbytes, rows)  # fmt: skip
+
+
+def n_way(fi, rows: list) -> None:
+    for states, tokens, heads in [(32, 4, 64), (16, 64, 32), (16, 1, 32), (64, 64, 32), (256, 16, 32),
+                                  (1024, 1, 32), (256, 8, 32)]:  # fmt: skip
+        v = torch.randn(tokens, states, heads, 128, device="cuda").bfloat16()  # FlashInfer's layout
+        s = torch.randn(tokens, states, heads, device="cuda") * 3
+        out, out_lse = torch.empty(tokens, heads, 128, device="cuda").bfloat16(), torch.empty(heads, tokens, device="cuda")
+        theirs = fi.n_way(v, s)
+        their_out = theirs()
+        ours = functools.partial(cm.merge_states, v.transpose(0, 1), s.permute(1, 2, 0), out=out, out_lse=out_lse,
+                                 lse_base=2)  # fmt: skip
+        for name, tuning in N_WAY_VARIANTS.items():
+            measure(f"n-way S{states} T{tokens} H{heads}", name, tuning, ours, theirs, out, their_out,
+                    v.nbytes + out.nbytes + s.nbytes, rows)  # fmt: skip
+
+
+def ragged(fi, rows: list) -> None:
+    for mean, tokens in [(200, 512), (100, 512), (200, 64), (100, 64), (16, 4096), (8, 1024)]:
+        indptr = torch.as_tensor(ragged_indptr(mean, tokens), device="cuda")
+        total = int(indptr[-1])
+        v = torch.randn(total, 32, 128, device="cuda").bfloat16()
+        s = torch.randn(total, 32, device="cuda") * 3
+        out, out_lse = torch.empty(tokens, 32, 128, device="cuda").bfloat16(), torch.empty(32, tokens, device="cuda")
+        theirs = fi.ragged(v, s, indptr, tokens)
+        their_out = theirs()
+        ours = functools.partial(cm.merge_states_varlen, v, s.T, indptr, out=out, out_lse=out_lse, lse_base=2,
+                                 check_indptr=False)  # fmt: skip
+        for name, tuning in RAGGED_VARIANTS.items():
+            measure(f"ragged {mean}x{tokens}", name, tuning, ours, theirs, out, their_out,
+                    v.nbytes + out.nbytes + s.nbytes, rows)  # fmt: skip
+
+
+def main() -> None:
+    if BRANCHING:
+        _patch_branching()
+    fi = from_source_tree(".anchors/flashinfer", "90", torch)
+    torch.manual_seed(0)
+    rows: list = []
+    two_way(fi, rows)
+    if not BRANCHING:
+        n_way(fi, rows)
+        ragged(fi, rows)
+    print("\ncase | variant | ours us | FlashInfer us | FlashInfer / ours | % of copy")
+    for label, variant, ours, theirs, ratio, copy, _ in rows:
+        print(f"{label} | {variant} | {ours:.2f} | {theirs:.2f} | {ratio:.3f} | {copy:.1f}")
+
+
+if __name__ == "__main__":
+    main()
