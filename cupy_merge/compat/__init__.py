@@ -263,21 +263,6 @@ def index_array(obj: Any, name: str, allowed: tuple[str, ...], layout: str) -> A
     return obj
 
 
-def value_dtype(dtype: Any, name: str) -> str:
-    """A value dtype given as a torch or NumPy dtype or a name: ``"float32"``, ``"float16"`` or ``"bfloat16"``."""
-    text = str(dtype).removeprefix("torch.")
-    if text not in VALUE_DTYPES:
-        try:
-            import numpy
-
-            text = numpy.dtype(dtype).name
-        except TypeError:
-            pass
-    if text not in VALUE_DTYPES:
-        raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {dtype!r}")
-    return text
-
-
 def expect_flag(value: Any, name: str, none: bool = False) -> None:
     if not (isinstance(value, bool) or (none and value is None)):
         expected = "None, True or False" if none else "True or False"

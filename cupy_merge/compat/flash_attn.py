@@ -30,6 +30,7 @@ from typing import Any
 
 import cupy_merge as _cm
 
+from .._options import value_dtype_name
 from ..types import Array, Stream
 from . import (
     VALUE_DTYPES,
@@ -48,7 +49,6 @@ from . import (
     permute,
     shape_of,
     take,
-    value_dtype,
 )
 
 BATCHED = "[num_splits, batch_size, seqlen, num_heads, head_size]"
@@ -223,7 +223,7 @@ def flash_attn_combine(
     expect_flag(return_lse, "return_lse")
     out_shape = shape[1:]
     if out is None:
-        dtype = dtype_of(out_partial) if out_dtype is None else value_dtype(out_dtype, "out_dtype")
+        dtype = dtype_of(out_partial) if out_dtype is None else value_dtype_name(out_dtype, "out_dtype")
         out = empty(out_partial, adapter, out_shape, dtype, stream)
     else:
         out, _ = take(out, "out")
@@ -231,7 +231,7 @@ def flash_attn_combine(
         expect_shape(out, out_shape, "out", out_layout, "out_partial", "FlashAttention's layout")
         dtype = expect_dtype(out, "out", VALUE_DTYPES)
         expect_unit_last_stride(out, "out", out_layout)
-        if out_dtype is not None and value_dtype(out_dtype, "out_dtype") != dtype:
+        if out_dtype is not None and value_dtype_name(out_dtype, "out_dtype") != dtype:
             raise TypeError(
                 f"out_dtype: expected None or out's dtype {dtype} when out is given, got {out_dtype!r}"
             )
