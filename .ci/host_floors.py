@@ -109,9 +109,25 @@ from jax.experimental.buffer_callback import buffer_callback
 
 noop = jax.jit(buffer_callback(lambda ctx, out, *ins: None, jax.ShapeDtypeStruct((1, 32, 128), jnp.bfloat16),
                                    command_buffer_compatible=True))
+# Where the merge's ~45 us above the one-output no-op go (session 29's hypotheses, not yet run): a
+# second result, XLA's command buffer (a CUDA graph a call) and the callback reading six addresses.
+two_results = (jax.ShapeDtypeStruct((1, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((32, 1), jnp.float32))
+noop_two = jax.jit(buffer_callback(lambda ctx, out, *ins: None, two_results, command_buffer_compatible=True))
+noop_two_plain = jax.jit(buffer_callback(lambda ctx, out, *ins: None, two_results, command_buffer_compatible=False))
+
+
+def _read_addresses(ctx, out, *ins):
+    for buffer in (*ins, *out):
+        buffer.__cuda_array_interface__["data"][0]
+
+
+noop_two_addresses = jax.jit(buffer_callback(_read_addresses, two_results, command_buffer_compatible=True))
 jcalls = {
     "jax a + b": lambda: ja + jb,
     "jax jit(no-op buffer_callback) (floor)": lambda: noop(ja, jsa, jb, jsb),
+    "jax no-op, two results": lambda: noop_two(ja, jsa, jb, jsb),
+    "jax no-op, two results, no cmd buffer": lambda: noop_two_plain(ja, jsa, jb, jsb),
+    "jax no-op, two results, 6 addresses": lambda: noop_two_addresses(ja, jsa, jb, jsb),
     "jax cm.merge_state": lambda: cm.merge_state(ja, jsa, jb, jsb),
     "jax cmj.merge_state": lambda: cmj.merge_state(ja, jsa, jb, jsb),
 }
@@ -137,5 +153,18 @@ for _round in range(3):
         jres.setdefault(name, []).append(jax_us(call))
 for name, values in jres.items():
     print(f"host51b {name:<38} {sorted(values)[1]:7.2f} us  ({' '.join(f'{v:.2f}' for v in values)})")
+# The merge with XLA's command buffer off (every callback of cupy_merge.jax built without it).
+from cupy_merge import _jax_launch
+
+loaded = _jax_launch._jax()
+plain = loaded._replace(buffer_callback=lambda *a, **k: loaded.buffer_callback(*a, **{**k, "command_buffer_compatible": False}))
+_jax_launch._loaded[0] = plain
+cmj._clear_caches()
+times = [jax_us(lambda: cmj.merge_state(ja, jsa, jb, jsb)) for _ in range(3)]
+print(f"host51b {'jax cmj.merge_state, no cmd buffer':<38} {sorted(times)[1]:7.2f} us  ({' '.join(f'{v:.2f}' for v in times)})")
+merged, _ = cmj.merge_state(ja, jsa, jb, jsb)
+print("jax values check (no cmd buffer)", float(jnp.abs(merged.astype(jnp.float32) - jnp.asarray(ref.float().cpu().numpy())).max()))
+_jax_launch._loaded[0] = loaded
+cmj._clear_caches()
 merged, _ = cm.merge_state(ja, jsa, jb, jsb)
 print("jax values check", float(jnp.abs(merged.astype(jnp.float32) - jnp.asarray(ref.float().cpu().numpy())).max()))
