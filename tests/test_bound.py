@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 import cupy_merge as cm
@@ -74,6 +76,40 @@ def test_a_bound_tensor_whose_storage_changed_is_refused(prepared_without_a_gpu)
     bound()
     output.set_(torch.zeros(2, 3, 8))
     with pytest.raises(RuntimeError, match="^output: no longer points at the memory this merge was bound to"):
+        bound()
+
+
+def test_a_bound_tensor_whose_storage_was_resized_in_place_is_refused_even_at_the_same_address(
+    prepared_without_a_gpu,
+):
+    """A storage freed and allocated again smaller may get its old address back (the caching
+    allocator's first fit): the launch would then write past its end. The size is compared too."""
+    torch = pytest.importorskip("torch")
+    output, v, s = torch.zeros(2, 3, 8), torch.zeros(2, 3, 8), torch.zeros(3, 2)
+    bound = cm.bind(cm.merge_attn_states, output, v, s, v, s)
+    storage = output.untyped_storage()
+    storage.resize_(0)
+    storage.resize_(16)
+    # CUDA's allocator may hand the old address back; the CPU's did not here, so the guard is told
+    # it saw this address: only the storage's size can then tell the two apart.
+    guard = bound._guard
+    guard._tensors = tuple((t, t.data_ptr(), st, size, name) for t, _, st, size, name in guard._tensors)
+    with pytest.raises(RuntimeError, match="^output: no longer points at the memory this merge was bound to"):
+        bound()
+
+
+def test_a_bound_merge_holds_its_tensors_storages_so_a_swapped_one_is_never_at_the_old_address(
+    prepared_without_a_gpu,
+):
+    torch = pytest.importorskip("torch")
+    output, v, s = torch.zeros(2, 3, 8), torch.zeros(2, 3, 8), torch.zeros(3, 2)
+    bound = cm.bind(cm.merge_attn_states, output, v, s, v, s)
+    address, size = output.data_ptr(), output.untyped_storage().nbytes()
+    output.set_(torch.zeros(2, 3, 8))  # nothing else holds the old storage
+    gc.collect()
+    held = [storage for _, _, storage, _, name in bound._guard._tensors if name == "output"]
+    assert [(storage.data_ptr(), storage.nbytes()) for storage in held] == [(address, size)]
+    with pytest.raises(RuntimeError, match="^output: no longer points"):
         bound()
 
 
