@@ -577,6 +577,37 @@ def test_make_fx_records_the_op():
     assert "cupy_merge.merge_states.default" in [str(n.target) for n in graph.graph.nodes]
 
 
+@pytest.mark.parametrize("tracer", ["export strict", "export non-strict", "make_fx symbolic"])
+def test_a_traced_prefill_count_stays_symbolic(tracer, monkeypatch):
+    """``prefill_tokens_with_context`` computed from a dynamic size is a SymInt wherever torch
+    traces (Dynamo gives the option an int-like variable; non-strict export and make_fx a
+    torch.SymInt): recorded in the graph as a size expression, not a constant."""
+    from torch.export import Dim
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(out, v_a, s_a, v_b, s_b):
+        cm.merge_attn_states(out, v_a, s_a, v_b, s_b, None, v_a.shape[0] // 2)
+        return out
+
+    class Module(torch.nn.Module):
+        def forward(self, out, v_a, s_a, v_b, s_b):
+            return f(out, v_a, s_a, v_b, s_b)
+
+    if tracer == "make_fx symbolic":  # its own fake mode, over host tensors (the fakes take them here)
+        monkeypatch.setattr(torch_ops, "_SPECS_ON_HOST", True)
+        args = (torch.empty(T, H, D, dtype=torch.bfloat16), *fake_states(device="cpu"))
+        graph = make_fx(f, tracing_mode="symbolic")(*args).graph
+    else:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            args = (torch.empty(T, H, D, device="cuda", dtype=torch.bfloat16), *fake_states())
+            tokens = Dim("tokens", min=2, max=4096)
+            shapes = ({0: tokens}, {0: tokens}, {1: tokens}, {0: tokens}, {1: tokens})
+            graph = torch.export.export(Module(), args, dynamic_shapes=shapes, strict=tracer == "export strict").graph
+    (merge,) = [n for n in graph.nodes if str(n.target) == "cupy_merge.merge_attn_states.default"]
+    count = merge.args[6]
+    assert isinstance(count, torch.fx.Node), f"the count was traced as the constant {count!r}"
+
+
 @pytest.mark.parametrize("strict", [True, False])
 def test_export_of_a_module_that_merges_keeps_the_ops(strict):
     class Tail(torch.nn.Module):
