@@ -91,11 +91,13 @@ _DTYPE_NAMES: dict[Any, str] = {}
 def dtype_name(dtype: Any) -> str:
     """``"float16"``, ``"bfloat16"``, ... for a NumPy, ml_dtypes or torch dtype."""
     name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES.setdefault(
-            dtype, str(dtype).removeprefix("torch.") if _is_torch_dtype(dtype) else numpy.dtype(dtype).name
-        )
-    return name
+    if name is not None:
+        return name
+    if _is_torch_dtype(dtype):
+        # Not cached: Dynamo traces this (the drop-ins under torch.compile), and a write into a
+        # dict it guards on fails the compilation.
+        return str(dtype).removeprefix("torch.")
+    return _DTYPE_NAMES.setdefault(dtype, numpy.dtype(dtype).name)
 
 
 def _is_torch_dtype(dtype: Any) -> bool:

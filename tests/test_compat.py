@@ -773,3 +773,77 @@ def test_every_drop_in_takes_its_peers_parameters_names_positions_and_defaults(f
     positional = [p for p in parameters if p.kind is not inspect.Parameter.KEYWORD_ONLY]
     assert [(p.name, p.default) for p in positional] == PEER_SIGNATURES[function]
     assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in positional)
+
+
+# -- under torch.compile -----------------------------------------------------------------------------
+
+
+def _captured(function, *args):
+    """``function`` compiled with ``fullgraph=True``: the ops its graph calls, and its result."""
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    result = torch.compile(function, backend=backend, fullgraph=True)(*args)
+    return [str(n.target) for graph in graphs for n in graph.graph.nodes if n.op == "call_function"], result
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_drop_in_compiles_whole_the_first_time_its_dtype_is_met(dtype, monkeypatch):
+    """Dtype names met first while Dynamo traces were cached into a dict it guards on, and the
+    compilation failed ("Guard failed on the same frame it was created")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cupy_merge import _arrays, torch_ops
+
+    torch_ops.ops()
+    monkeypatch.setattr(_arrays, "_DTYPE_NAMES", {})  # as in a fresh process
+    with FakeTensorMode():
+        v = torch.empty(7, 3, 16, device="cuda", dtype=dtype)
+        s = torch.empty(7, 3, device="cuda")
+        targets, (merged_v, merged_s) = _captured(flashinfer.merge_state, v, s, v, s)
+        assert "cupy_merge.merge_state_out.default" in targets
+        assert merged_v.shape == (7, 3, 16) and merged_v.dtype == dtype and merged_s.shape == (7, 3)
+        assert merged_s.stride() == (3, 1)  # FlashInfer's C-contiguous [seq_len, num_heads]
+
+
+def test_fold_compiles_whole_at_a_storage_offset():
+    """compat.fold asked for the tensor's storage offset, which Dynamo cannot put in a graph."""
+    base = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 3, 4, 5)
+    view = base[1:]  # at a storage offset
+    targets, folded = _captured(lambda x: compat.fold(x, 1) * 1, view)
+    assert torch.equal(folded, view.reshape(3 * 4, 5).unsqueeze(0))
+
+
+@pytest.mark.parametrize(
+    "call, name, core_merge",
+    [
+        (lambda r: flashinfer.merge_state(r(7, 2, 8), r(7, 2, grad=False), r(7, 2, 8, grad=False), r(7, 2)), "v_a",
+         "merge_state"),
+        (lambda r: flashinfer.merge_state_in_place(r(7, 2, 8, grad=False), r(7, 2, grad=False), r(7, 2, 8, grad=False),
+                                                   r(7, 2)), "s_other", "merge_state"),
+        (lambda r: flashinfer.merge_states(r(7, 3, 2, 8, grad=False), r(7, 3, 2)), "s", "merge_states"),
+        (lambda r: flashinfer.variable_length_merge_states(r(7, 2, 8), r(7, 2), torch.tensor([0, 3, 7], dtype=torch.int32)),
+         "v", "merge_states_varlen"),
+        (lambda r: sglang.merge_state_v2(r(7, 2, 8, grad=False), r(7, 2, grad=False), r(7, 2, 8), r(7, 2, grad=False)),
+         "v_b", "merge_state"),
+        (lambda r: flash_attn.flash_attn_combine(r(3, 7, 2, 8, grad=False), r(3, 7, 2)), "lse_partial", "merge_states"),
+    ],
+)  # fmt: skip
+def test_a_drop_in_refuses_an_input_that_requires_grad_by_its_name(core, call, name, core_merge):
+    """The drop-ins are not differentiable (nor are the peers' kernels); the refusal names the
+    caller's argument and the core merge that is, not the out= the drop-in passes inside."""
+
+    def r(*shape, grad=True):
+        return randn(*shape).requires_grad_(grad)
+
+    message = rf"^{name}: requires grad, and the drop-ins are not differentiable.*cupy_merge\.{core_merge} in the core"
+    with pytest.raises(RuntimeError, match=message):
+        call(r)
+    assert core.calls == []
+    with torch.no_grad():
+        call(r)
+    assert len(core.calls) == 1

@@ -114,7 +114,7 @@ def fold(obj: Any, axis: int) -> Any | None:
     new_shape = shape[:axis] + (outer * inner,) + shape[axis + 2 :]
     new_strides = strides[:axis] + (stride,) + strides[axis + 2 :]
     if is_torch(obj):
-        return obj.as_strided(new_shape, new_strides, obj.storage_offset())
+        return obj.as_strided(new_shape, new_strides)  # at its own storage offset (traceable: no .storage_offset())
     import cupy
 
     return cupy.lib.stride_tricks.as_strided(
@@ -261,6 +261,21 @@ def index_array(obj: Any, name: str, allowed: tuple[str, ...], layout: str) -> A
         raise ValueError(f"{name}: expected a 1-D array {layout}, got shape {dims(shape)}")
     expect_dtype(obj, name, allowed)
     return obj
+
+
+def refuse_grad(arrays: dict[str, Any], differentiable: str) -> None:
+    """In grad mode, a tensor that requires grad is refused, naming it: the drop-ins are not
+    differentiable (nor are their peers' kernels); the core merge ``differentiable`` is."""
+    torch = _arrays.torch_module()
+    if torch is None or not torch.is_grad_enabled():
+        return
+    for name, obj in arrays.items():
+        if isinstance(obj, torch.Tensor) and obj.requires_grad:
+            raise RuntimeError(
+                f"{name}: requires grad, and the drop-ins are not differentiable (nor are the peers' kernels); "
+                f"call cupy_merge.{differentiable} in the core's layout (docs/porting.rst), whose gradients are "
+                f"defined, or merge under torch.no_grad()"
+            )
 
 
 def expect_flag(value: Any, name: str, none: bool = False) -> None:

@@ -33,6 +33,7 @@ from . import (
     lse_input,
     lse_output,
     permute,
+    refuse_grad,
     shape_of,
     take,
 )
@@ -114,6 +115,8 @@ class PeerMerge:
             results.append(obj)
             core[arg.field] = obj
         by_arg = {arg.field: arg for arg in (*self.arguments, *self.results)}
+        refuse_grad({by_arg[field].name: x for field, x in core.items()},
+                    self.operation.name if self.operation.backward else "merge_state")  # fmt: skip
         names = self.operation.names
         views = {getattr(names, field): self._core_view(by_arg[field], x) for field, x in core.items()}
         getattr(_cm, self.operation.name)(**views, **options, stream=stream)
