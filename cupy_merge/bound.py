@@ -5,7 +5,8 @@ merge function reads each array's pointer, shape, strides and dtype to find its
 prepared launch again (about half of the host time of a small merge). ``bind``
 does that, and every check, once; the object it returns relaunches the kernel
 with nothing else on the host but, for torch tensors, a look at each tensor's
-data pointer (a tensor's storage can be swapped or freed behind its back).
+data pointer and its storage's size (a tensor's storage can be swapped, resized or
+freed behind its back).
 
 Each bindable merge *declares* how it is bound (:func:`declare`): the library's
 merges through their dispatcher operation, the cross-rank merge its own way.
@@ -60,12 +61,12 @@ class BoundMerge:
     """One merge bound to its arrays: ``bound(stream=None)`` launches it again.
 
     Made by :func:`bind`. Holds every array it was bound to (and the outputs it
-    allocated), so their memory stays valid for as long as the bound merge lives.
-    It merges the arrays as they were when bound: shapes and strides are not read
-    again (rebind after changing them in place). A torch tensor whose data
-    pointer has changed since (``t.data = ...``, ``t.set_(...)``, a storage
-    resized or freed) is refused with ``RuntimeError`` before anything is
-    launched. Launched on a stream other than the current one, keep the bound
+    allocated), and each torch tensor's storage as bound, so their memory stays
+    valid for as long as the bound merge lives. It merges the arrays as they were
+    when bound: shapes and strides are not read again (rebind after changing them
+    in place). A torch tensor moved to other memory since (``t.data = ...``,
+    ``t.set_(...)``) or whose storage was resized or freed is refused with
+    ``RuntimeError`` before anything is launched. Launched on a stream other than the current one, keep the bound
     merge alive until that stream has finished.
 
     Parameters
