@@ -216,10 +216,12 @@ def _unfold_result(fold: _Fold, layout: str, order: str, x: Any) -> Any:
     if layout is STACKED_LSE:  # [B * T, N, H] -> [B, T, N, H] or [B, N, H, T]
         x = x.reshape(size, fold.tokens, *x.shape[1:])
         return x if order == "tnh" else jnp.moveaxis(x, 1, 3)
-    if layout is ROWS:
-        return x.reshape(size, -1, *x.shape[1:])
+    if layout is ROWS:  # (sizes, not -1 or a division: a batch of none, or rows of no heads, is empty)
+        assert ragged is not None
+        return x.reshape(size, ragged.rows, *x.shape[1:])
     if layout is ROW_LSE:
-        return _lse_unfold(x, size, x.shape[0] // size, order)
+        assert ragged is not None
+        return _lse_unfold(x, size, ragged.rows, order)
     if ragged is None:
         x = x.reshape(size, fold.tokens, *x.shape[1:])
     else:  # the extra tokens dropped; tokens of offsets out of range NaN, as unbatched

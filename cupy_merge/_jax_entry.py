@@ -93,7 +93,7 @@ def _call(route: _Route, arrays: tuple) -> tuple:
         scale = passed[route.scale]
         if type(scale) in (float, int):
             passed = (*passed[: route.scale], numpy.float32(scale), *passed[route.scale + 1 :])
-        elif getattr(scale, "weak_type", False) and scale.dtype.kind == "f":
+        elif getattr(scale, "weak_type", False) and scale.dtype.kind in "fiu":  # a Python number, traced
             passed = (*passed[: route.scale], scale.astype(numpy.float32), *passed[route.scale + 1 :])
     return route.function(*passed)
 

@@ -11,6 +11,7 @@ CPU buffers and a recording launcher.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import subprocess
 import sys
@@ -926,6 +927,26 @@ def test_vmap_of_grad_of_the_ragged_merge_is_one_launch_with_the_unbatched_seman
     _close(rows, np.stack(want))
 
 
+@pytest.mark.parametrize("batch, heads", [(0, 2), (3, 0), (0, 0)])
+def test_vmap_of_grad_of_the_ragged_merge_over_an_empty_batch_or_no_heads(numpy_kernels, rng, batch, heads):
+    """Gradients of each element's shape, as unbatched (their rows were unfolded by a division by the
+    batch, and a reshape to -1 of an empty array: ZeroDivisionError)."""
+    rows, tokens = 7, 3
+    v = jnp.asarray(rng.standard_normal((batch, rows, heads, 8)), jnp.float32)
+    s = jnp.asarray(rng.standard_normal((batch, heads, rows)), jnp.float32)
+    indptr = jnp.tile(jnp.array([0, 2, 2, 7], jnp.int32), (batch, 1))
+    out_weight, lse_weight = _weights(rng, (tokens, heads, 8)), _weights(rng, (heads, tokens))
+    loss = _linear_loss(lambda a, b, c: cmj.merge_states_varlen(a, b, c, check_indptr=False), out_weight,
+                        lse_weight)  # fmt: skip
+    for transform in (jax.vmap(jax.grad(loss, (0, 1))), jax.grad(lambda *a: jax.vmap(loss)(*a).sum(), (0, 1))):
+        got = jax.jit(transform)(v, s, indptr)
+        want = [np.zeros((batch, rows, heads, 8)), np.zeros((batch, heads, rows))]
+        for b in range(batch):  # (no heads: empty gradients)
+            want[0][b], want[1][b] = _ragged_backward(_host(v[b]), _host(s[b]), np.asarray(indptr[b]),
+                                                      _host(out_weight), _host(lse_weight), None, "e")[:2]  # fmt: skip
+        _close_all(got, want, 1e-5)
+
+
 def test_vmap_of_grad_of_a_ragged_merge_over_more_rows_than_a_token_may_hold_is_a_launch_an_element(
     numpy_kernels, rng
 ):
@@ -1312,6 +1333,17 @@ def test_a_python_float_scale_is_taken_as_float32_with_x64_enabled(numpy_kernels
                                                     output_scale=c))  # fmt: skip
         got_v, _ = scaled(0.5)  # a weakly typed float64 tracer
         _close(got_v, want_fp8)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_a_python_int_scale_is_taken_as_float32_eagerly_and_as_a_jit_argument(numpy_kernels, rng, x64):
+    v_a, s_a, v_b, s_b = _states(rng, 4, 2, 8)
+    want_v, _ = reference.merge_state(*(_host(x) for x in (v_a, s_a, v_b, s_b)))
+    want_fp8 = reference.quantize_fp8(want_v, 2.0).astype(np.float64)
+    scaled = jax.jit(lambda c: cmj.merge_state(v_a, s_a, v_b, s_b, out_dtype=FP8, output_scale=c))
+    with _x64() if x64 else contextlib.nullcontext():
+        _close(cmj.merge_state(v_a, s_a, v_b, s_b, out_dtype=FP8, output_scale=2)[0], want_fp8)
+        _close(scaled(2)[0], want_fp8)  # a weakly typed int tracer
 
 
 def test_a_jax_array_on_the_cpu_is_refused_by_name_before_anything_runs(monkeypatch, rng):
