@@ -12,6 +12,7 @@ CPU buffers and a recording launcher.
 from __future__ import annotations
 
 import contextlib
+import math
 import pathlib
 import subprocess
 import sys
@@ -138,6 +139,40 @@ def _ragged_backward(v, s, indptr, grad_out, grad_lse, sinks, base):
     return grad_v, grad_s, grad_sinks
 
 
+def _from_results(v, s, indptr, grad_out, grad_lse, merged, merged_lse, sinks, base):
+    """N-way or ragged gradients by the closed form from the merge's results as given (``merged``
+    ``[T, H, D]``, ``merged_lse`` ``[H, T]``), as the kernel that reads them computes them: results
+    handed over wrongly (another token's, another layout) give wrong gradients. A token whose
+    offsets are out of range, and rows no token owns, get zeros."""
+    k = math.log(2) if base == 2 else 1.0
+    grad_v, grad_s = np.zeros(v.shape), np.zeros(s.shape)
+    grad_sinks = None if sinks is None else np.zeros(len(sinks))
+    for token in range(merged.shape[0]):
+        if indptr is None:  # v [N, T, H, D], s [N, H, T]
+            rows_v, rows_s, at = v[:, token], s[:, :, token], (slice(None), token)
+        else:  # v [R, H, D], s [H, R]
+            begin, end = int(indptr[token]), int(indptr[token + 1])
+            if begin < 0 or end < begin or end > v.shape[0]:
+                continue
+            rows_v, rows_s, at = v[begin:end], s[:, begin:end].T, (slice(begin, end),)
+        lse = merged_lse[:, token] * k
+        with np.errstate(invalid="ignore", over="ignore"):
+            weights = np.where(np.isfinite(lse), np.exp(np.where(np.isposinf(rows_s), -np.inf, rows_s) * k - lse),
+                               np.where(np.isnan(lse), np.nan, 0.0))  # fmt: skip
+        dot = (grad_out[token] * merged[token]).sum(-1)  # [H]
+        states_v = weights[..., None] * grad_out[token]
+        states_s = np.where(weights == 0, 0.0, weights * ((grad_out[token] * rows_v).sum(-1) - dot
+                                                          + grad_lse[:, token] / k)) * k  # fmt: skip
+        if indptr is None:
+            grad_v[:, token], grad_s[:, :, token] = states_v, states_s
+        else:
+            grad_v[at], grad_s[:, at[0]] = states_v, states_s.T
+        if sinks is not None:
+            sink_weights = np.where(np.isfinite(lse), np.exp(sinks - lse), 0.0)
+            grad_sinks += np.where(sink_weights == 0, 0.0, sink_weights * (grad_lse[:, token] / k - dot))
+    return grad_v, grad_s, grad_sinks
+
+
 def _numpy_backward(specs, view, f64, base) -> None:
     """The backward kernels: the float64 reference's gradients written through the gradients' specs
     (the sinks' too: the last launch writes them whole, summed from the rows' terms)."""
@@ -148,6 +183,13 @@ def _numpy_backward(specs, view, f64, base) -> None:
         )
         for field, grad in zip(("grad_v", "grad_s", "grad_v_b", "grad_s_b"), grads):
             view(field)[...] = grad.astype(view(field).dtype)
+    elif specs.merged is not None:  # as the kernel given the merge's results: from them, not recomputed
+        grad_v, grad_s, grad_sinks = _from_results(
+            f64("v"), f64("s"), None if specs.indptr is None else view("indptr").astype(np.int64), grad_out,
+            grad_lse, f64("merged"), f64("merged_lse"), sinks, base,
+        )  # fmt: skip
+        view("grad_v")[...] = grad_v.astype(view("grad_v").dtype)
+        view("grad_s")[...] = grad_s
     elif specs.indptr is None:
         grad_v, grad_s, grad_sinks = reference.merge_states_backward(
             f64("v"), f64("s"), grad_out, grad_lse, sinks=sinks, lse_base=base
