@@ -227,18 +227,11 @@ def _build_entry(cfg: _Config, avals: tuple) -> _Entry:
     shapes = tuple((shape, dtype) for _, shape, dtype in results)
     if not planned.plan:  # zero tokens or heads: nothing to launch (an empty CUDA graph can crash)
         return _Entry(None, shapes, out_dtype == FP8)
-    # Addresses XLA gives are 16-byte aligned; a second plan for addresses aligned only to their
-    # elements (a buffer XLA passes at an offset), chosen by the callback from the addresses.
-    loose = specs._replace(**{
-        field: spec._replace(align=min(spec.align, spec.itemsize))
-        for field, spec in zip(specs._fields, specs) if spec is not None
-    })  # fmt: skip
     try:
-        loose_plan: tuple | None = _dispatch.plan_specs(operation, options, tuning, loose, cfg.in_place).plan
+        loose_plan: tuple | None = _dispatch.plan_specs(operation, options, tuning, _loose(specs), cfg.in_place).plan
     except ValueError:  # an NVFP4 output needs its values aligned to pairs (_checks): aligned buffers only
         loose_plan = None
-    index = {field: position for position, field in enumerate(cfg.fields)}
-    index.update({field: len(cfg.fields) + position for position, (field, _, _) in enumerate(results)})
+    index = _buffer_index(cfg.fields, results)
     aliases = {}
     if cfg.in_place:
         aliases = {cfg.fields.index("v_a"): 0, cfg.fields.index("s_a"): 1}
@@ -247,6 +240,23 @@ def _build_entry(cfg: _Config, avals: tuple) -> _Entry:
     host = HostCall(operation, options, specs, index)
     call = _buffer_call(planned.plan, loose_plan, index, host, shapes, aliases, tuning)
     return _Entry(call, shapes, out_dtype == FP8, host)
+
+
+def _loose(specs: Any) -> Any:
+    """``specs`` aligned only to their elements. Addresses XLA gives are 16-byte aligned; a second
+    plan for addresses aligned only to their elements (a buffer XLA passes at an offset) is chosen
+    by the callback from the addresses."""
+    return specs._replace(**{
+        field: spec._replace(align=min(spec.align, spec.itemsize))
+        for field, spec in zip(specs._fields, specs) if spec is not None
+    })  # fmt: skip
+
+
+def _buffer_index(fields: tuple[str, ...], results: list) -> dict[str, int]:
+    """Each operand field's position among the callback's buffers: the inputs, then the results."""
+    index = {field: position for position, field in enumerate(fields)}
+    index.update({field: len(fields) + position for position, (field, _, _) in enumerate(results)})
+    return index
 
 
 def _buffer_call(plan: tuple, loose_plan: tuple | None, index: dict, host: HostCall, shapes: tuple, aliases: dict,
@@ -406,13 +416,8 @@ def _build_backward_entry(cfg: _Config, avals: tuple) -> _Entry:
     names: Any = operation.names
     state, num_states = _checks.check_backward(specs, names, options)
     plan = _plan_backward.plan_backward(state, num_states, specs, options, tuning)
-    loose = specs._replace(**{
-        field: spec._replace(align=min(spec.align, spec.itemsize))
-        for field, spec in zip(specs._fields, specs) if spec is not None
-    })  # fmt: skip
-    loose_plan = _plan_backward.plan_backward(state, num_states, loose, options, tuning)
-    index = {field: position for position, field in enumerate(cfg.fields)}  # buffers: inputs, then results
-    index.update({field: len(cfg.fields) + position for position, (field, _, _) in enumerate(results)})
+    loose_plan = _plan_backward.plan_backward(state, num_states, _loose(specs), options, tuning)
+    index = _buffer_index(cfg.fields, results)
     host = HostCall(operation, options, specs, index)
     call = _buffer_call(plan, loose_plan, index, host, shapes, {}, tuning)
     return _Entry(call, shapes, False, host, scratch)
