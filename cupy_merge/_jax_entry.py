@@ -15,9 +15,7 @@ from . import _array_rules, _arrays, _dispatch, _jax_launch, _options, _tuning
 from ._catalogue import NVFP4
 from ._jax_launch import _Config, _entries, _jax
 from ._jax_transforms import (
-    _backward_batched,
     _backward_call,
-    _backward_function,
     _batched,
     _differentiable,
     _once_differentiable,
@@ -57,8 +55,6 @@ def _clear_caches() -> None:
         _routes.clear()
         _quick.clear()
     _batched.cache_clear()
-    _backward_batched.cache_clear()
-    _backward_function.cache_clear()
     _once_differentiable.cache_clear()
     _differentiable.cache_clear()
 

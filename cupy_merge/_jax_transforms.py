@@ -94,11 +94,12 @@ def _empty_results(cfg: _Config, entry: _Entry, arrays: tuple) -> tuple:
 
 @functools.cache
 def _batched(cfg: _Config):
-    """The merge of ``cfg`` with its batching rule (``jax.custom_batching.custom_vmap``)."""
+    """The merge (or backward merge) of ``cfg`` with its batching rule (``jax.custom_batching.custom_vmap``)."""
     jax = _jax().jax
+    raw = _raw_backward if cfg.operation.is_backward else _raw
 
     def merge(*arrays):
-        return _raw(cfg, arrays)
+        return raw(cfg, arrays)
 
     function = jax.custom_batching.custom_vmap(merge)
     function.def_vmap(functools.partial(_jax_batching.rule, _batched, cfg))
@@ -132,8 +133,8 @@ def _vjp_forward(cfg: _Config, *arrays: Any) -> tuple:
 
 @functools.cache
 def _once_differentiable(cfg: _Config):
-    """:func:`_batched` as the custom_vjp's forward calls it: a derivative of it would be a second
-    derivative of the merge (``jax.grad`` of ``jax.grad``), refused clearly."""
+    """:func:`_batched` as the custom_vjp's forward and backward call it: a derivative of either would
+    be a second derivative of the merge (``jax.grad`` of ``jax.grad``), refused clearly."""
     jax = _jax().jax
     function = jax.custom_jvp(_batched(cfg))
     function.defjvp(functools.partial(_no_second_derivative, cfg.operation.name))
@@ -214,16 +215,7 @@ def _backward_call(operation: _dispatch.Operation, options: Any, tuning: _tuning
     """One backward merge on arrays in the forward's own layouts (LSEs ``[H, T]``, N-way states
     ``[N, T, H, D]``, ``[N, H, T]``): ``(grad_v, grad_s[, grad_v_b, grad_s_b][, grad_sinks])``."""
     cfg = _Config(operation, options, tuning, fields, natural_orders(operation, fields))
-    return tuple(_backward_function(cfg)(*(values[field] for field in fields)))
-
-
-@functools.cache
-def _backward_function(cfg: _Config):
-    """:func:`_backward_batched` behind a derivative rule that refuses (second derivatives)."""
-    jax = _jax().jax
-    function = jax.custom_jvp(_backward_batched(cfg))
-    function.defjvp(functools.partial(_no_second_derivative, cfg.operation.name))
-    return function
+    return tuple(_once_differentiable(cfg)(*(values[field] for field in fields)))
 
 
 def _no_second_derivative(name: str, primals: Any, tangents: Any) -> Any:
@@ -244,16 +236,3 @@ def _raw_backward(cfg: _Config, arrays: tuple) -> tuple:
     if entry.call is None:
         return tuple(jnp.zeros(shape, dtype) for shape, dtype in entry.results[:kept])
     return _varying(tuple(entry.call(*arrays))[:kept], arrays)
-
-
-@functools.cache
-def _backward_batched(cfg: _Config):
-    """The backward merge of ``cfg`` with its batching rule (vmap of a gradient, gradient of a vmap)."""
-    jax = _jax().jax
-
-    def gradients(*arrays):
-        return _raw_backward(cfg, arrays)
-
-    function = jax.custom_batching.custom_vmap(gradients)
-    function.def_vmap(functools.partial(_jax_batching.rule, _backward_batched, cfg))
-    return function
