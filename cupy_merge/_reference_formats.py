@@ -87,11 +87,12 @@ def quantize_fp8_groups(v: ArrayLike, group_size: int, ue8m0: bool = False) -> t
     scales = np.where(np.isnan(amax), amax, np.maximum(amax, np.float32(FP8_ABS_MAX_FLOOR))) / np.float32(
         FP8_MAX
     )
-    if ue8m0:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            scales = np.where(np.isfinite(scales), np.exp2(np.ceil(np.log2(scales))), scales).astype(
-                np.float32
-            )
+    if ue8m0:  # up to the next power of two on the float32 bits, as the kernel (log2 in float32 rounds
+        # a scale a few ulps above a power of two down onto it, and ceil then keeps it)
+        bits = scales.astype(np.float32).view(np.uint32)
+        up = ((bits & np.uint32(0x007FFFFF)) != 0) & (bits < np.uint32(0x7F800000))
+        rounded = ((bits + np.uint32(0x00800000)) & np.uint32(0xFF800000)).view(np.float32)
+        scales = np.where(up, rounded, scales).astype(np.float32)
     values = quantize_fp8(groups / scales[..., None].astype(np.float64), 1.0)
     return values.reshape(v.shape), scales
 

@@ -59,6 +59,19 @@ def test_a_nan_in_a_group_makes_its_scale_nan():
 # -- options --------------------------------------------------------------------------------------
 
 
+def test_ue8m0_rounds_a_scale_just_above_a_power_of_two_up_as_the_kernel_does():
+    """The kernel rounds on the float32 bits (cuda_src/fp8.cuh); a float32 log2 of a scale one to
+    three ulps above 2**k is k itself, which rounded it down onto 2**k and clipped its largest value."""
+    for k in range(-30, 10):
+        exact = np.float32(448.0 * 2.0**k)
+        for amax, want in ((exact, 2.0**k), (np.nextafter(exact, np.float32(np.inf)), 2.0 ** (k + 1))):
+            values, scales = reference.quantize_fp8_groups(np.array([[[amax, -0.5 * amax, 0.0, 0.0]]]), 4,
+                                                           ue8m0=True)  # fmt: skip
+            assert scales.item() == want, (k, amax)
+            assert np.abs(values.astype(np.float64)).max() <= 448.0
+            assert values.astype(np.float64).ravel()[0] == reference.quantize_fp8(np.float64(amax) / want, 1.0)
+
+
 @pytest.mark.parametrize(
     "group, block_scale, ue8m0, error, words",
     [
