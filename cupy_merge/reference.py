@@ -431,7 +431,8 @@ def _weights(s: np.ndarray, sinks: np.ndarray | None = None) -> tuple[np.ndarray
     """The merge's rules on natural-log ``s`` ``[states, heads, tokens]`` (``sinks`` ``[heads]``: one
     more state a head): each state's weight ``[states (+1, the sink last), heads, tokens]``, the
     merged LSE ``[heads, tokens]`` and where a NaN LSE or sink makes the row NaN. +inf LSEs are
-    empty states; a +inf sink takes all the weight (LSE +inf); an all-empty row weighs nothing."""
+    empty states, and so are states whose weight underflows in float32; a +inf sink takes all the
+    weight (LSE +inf); an all-empty row weighs nothing."""
     s = np.where(s == np.inf, -np.inf, s)  # FlashAttention-2 marks empty rows with +inf
     if sinks is not None:
         s = np.concatenate([s, np.broadcast_to(sinks[None, :, None], (1, *s.shape[1:]))])
@@ -444,6 +445,9 @@ def _weights(s: np.ndarray, sinks: np.ndarray | None = None) -> tuple[np.ndarray
         all_empty = s_max == -np.inf
         shifted = s - np.where(all_empty | takes_all, 0.0, s_max)
         weights = np.where(takes_all, np.isposinf(s), np.exp(shifted))
+        # A weight that underflows to 0 in float32 (an LSE more than ~103 below its row's largest), as
+        # the kernels compute it, is 0: such a state adds nothing, even where its values are NaN.
+        weights = np.where(weights.astype(np.float32) == 0, 0.0, weights)
         total = weights.sum(axis=0)
         weights = weights / np.where(all_empty, 1.0, total)
         lse = np.where(all_empty, -np.inf, np.where(takes_all, np.inf, s_max + np.log(total)))

@@ -65,6 +65,20 @@ def test_values_of_an_empty_state_are_ignored_even_when_nan(rng):
     np.testing.assert_allclose(out, v_a, rtol=1e-15)
 
 
+@pytest.mark.parametrize("gap, empty", [(200.0, True), (120.0, True), (90.0, False), (40.0, False)])
+def test_a_state_whose_weight_underflows_in_float32_is_empty_even_with_nan_values(gap, empty):
+    """The kernels compute weights in float32: one below its smallest subnormal (a gap of more than
+    ~103) is 0 there, and the reference agrees, rather than multiply NaN values by 1e-87."""
+    v, s = np.ones((2, 1, 1, 4)), np.array([[[0.0]], [[-gap]]])
+    v[1] = np.nan
+    merged_v, merged_s = reference.merge_states(v, s)
+    assert np.isfinite(merged_v).all() == empty and merged_s.item() == pytest.approx(0.0, abs=1e-12)
+    grads = reference.merge_states_backward(v, s, np.ones((1, 1, 4)), np.ones((1, 1)))
+    assert np.isfinite(grads[1]).all() == empty  # ds_i reads v_i; dV_i = w_i dV does not
+    if empty:
+        assert (merged_v == 1).all() and (grads[0][1] == 0).all() and grads[1][1].item() == 0
+
+
 def test_a_nan_lse_poisons_only_its_own_row(rng):
     v_a, v_b = rng.standard_normal((2, 3, 2, 4))
     s_a, s_b = rng.standard_normal((2, 2, 3))
