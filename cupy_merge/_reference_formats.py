@@ -274,7 +274,7 @@ def dequantize_nvfp4(
     codes = np.stack([codes_bytes & 0xF, codes_bytes >> 4], axis=-1).reshape(rows, blocks, NVFP4_BLOCK)
     magnitude = np.asarray(E2M1_VALUES)[codes & 7]
     values = np.where(codes & 8, -magnitude, magnitude)
-    out = values * (block_scales.astype(np.float64) / float(np.float32(global_scale)))[..., None]
+    out = values * block_scales.astype(np.float64)[..., None] / float(np.float32(global_scale))  # exact, then one rounding
     return out.reshape(shape)
 
 
