@@ -257,6 +257,7 @@ def check_rank(
     expect_ndim(s, 2, names.s, LSE_LAYOUT)
     expect_value_dtype(v, names.v)
     expect_float32(s, names.s)
+    expect_unit_last_stride(v, names.v)  # the pack and scale kernels read a row's elements one after another
     num_tokens, num_heads, head_size = v.shape
     expect_lse_shape(s, (num_heads, num_tokens), names.s, names.v)
     for spec, name in ((v, names.v), (s, names.s)):

@@ -190,6 +190,23 @@ def run_bad_inputs_rank(rank: int, world: int, init_method: str, queue) -> None:
         except ValueError as raised:
             if not str(raised).startswith("out: expected float32 of shape (3, 2, 8)"):
                 failures.append(str(raised))
+        first_rank_only = dist.new_group([0])  # every rank makes it; the others get a sentinel
+        more = [
+            # The pack and scale kernels read a row's elements one after another.
+            ((torch.zeros(3, 4, 16)[..., ::2], torch.zeros(4, 3)), {}, ValueError,
+             "v: expected the last dimension (head_size) to be contiguous"),
+            ((v4, torch.zeros(4, 3), 3), {}, TypeError, "group: expected None (the default group) or a torch"),
+        ]  # fmt: skip
+        if rank:
+            more.append(((v4, torch.zeros(4, 3), first_rank_only), {}, ValueError,
+                         f"group: this process (rank {rank} of the default group) is not a member"))  # fmt: skip
+        for args, kwargs, error, words in more:
+            try:
+                cmd.merge_across_ranks(*args, **kwargs)
+                failures.append(f"{words}: no error")
+            except error as raised:
+                if not str(raised).startswith(words):
+                    failures.append(f"{words}: {raised}")
         dist.barrier()  # every rank is still in step: no collective was left half done
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001

@@ -57,6 +57,17 @@ def test_gloo_ranks_on_the_cpu_merge_to_attention_over_the_whole_kv(world):
     _run_ranks(run_rank, world, lambda rank: (rank, world, init, "gloo", ["float32", "bfloat16", "float16"]))
 
 
+@pytest.mark.parametrize("backend", ["cpu:gloo", None])
+def test_cpu_tensors_merge_in_a_group_of_several_backends(backend):
+    """init_process_group() without a backend (torchrun's usual call) or "cpu:gloo": gloo serves CPU
+    tensors there too, and gathers into a list (the group's backend is not the string "gloo")."""
+    pytest.importorskip("torch")
+    from distributed_worker import run_rank
+
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    _run_ranks(run_rank, 2, lambda rank: (rank, 2, init, backend, ["float32"]))
+
+
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.exhaustive)])  # 4: 14 s on 2 cores
 def test_gloo_ranks_count_the_sinks_once_over_all_ranks(world):
     pytest.importorskip("torch")
@@ -148,6 +159,9 @@ def test_bad_arguments_raise_before_any_collective():
         cmd.merge_across_ranks(v, s, op="alltoall")
     with pytest.raises(TypeError, match="^shard_heads: expected True or False"):
         cmd.merge_across_ranks(v, s, shard_heads=1)
+    for world in (0, -1, 2.0):
+        with pytest.raises(ValueError, match="^world_size: expected an int of at least 1"):
+            cmd.choose_strategy(world, 128, 2)
 
 
 def test_bad_shapes_raise_before_any_collective_in_a_group():

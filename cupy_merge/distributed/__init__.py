@@ -32,8 +32,11 @@ as a merge of the gathered states on one GPU. The summing strategies' results fo
 NCCL's order of summation, which no mode fixes. Attention sinks (``sinks=``) are
 counted once over all ranks, by every strategy. The summing strategies add values in
 their own dtype (as vLLM does): for 16-bit values each rank's term is rounded
-once more than in the exchanging ones. Every rank must pass the same shapes and
-dtypes (not checked: that would take a collective; NCCL hangs or fails otherwise).
+once more than in the exchanging ones. Every rank must pass the same shapes, dtypes
+and options (``lse_base``, ``op``, ``shard_heads``, the sinks, the batch-invariant mode), and a
+rank with no tokens the same token count as its peers (LSE ``-inf``). This is not checked, as
+that would take a collective a call: otherwise the collectives fail, wait until the group's
+timeout, or (where the bytes happen to agree) return wrong values.
 
 Communicators: a ``torch.distributed`` process group (NCCL for CUDA tensors,
 gloo for CPU tensors) when ``v`` is a torch tensor; a

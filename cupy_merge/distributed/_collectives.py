@@ -23,6 +23,18 @@ class TorchGroup:
                 "group: expected an initialised torch.distributed process group for torch tensors; "
                 "call torch.distributed.init_process_group() first (torchrun sets up its environment)"
             )
+        # new_group() gives the processes outside the group a sentinel int (GroupMember.NON_GROUP_MEMBER)
+        outside = type(group) is int and group == getattr(dist.GroupMember, "NON_GROUP_MEMBER", None)
+        if group is not None and not outside and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"group: expected None (the default group) or a torch.distributed.ProcessGroup for torch "
+                f"tensors, got {type(group).__name__}"
+            )
+        if outside or (group is not None and dist.get_rank(group) < 0):
+            raise ValueError(
+                f"group: this process (rank {dist.get_rank()} of the default group) is not a member of the "
+                f"group; call the merge on the group's ranks only"
+            )
         self._dist = dist
         self._group = group
         self.world_size = dist.get_world_size(group)
@@ -30,7 +42,9 @@ class TorchGroup:
         self._gloo = dist.get_backend(group) == "gloo"
 
     def all_gather(self, out: Any, tensor: Any) -> None:
-        if self._gloo:  # gloo gathers into a list of tensors
+        # gloo gathers into a list of tensors: a "gloo" group, and CPU tensors of a group of several
+        # backends (init_process_group() without one, "cpu:gloo,cuda:nccl")
+        if self._gloo or tensor.device.type == "cpu":
             self._dist.all_gather(list(out.unbind(0)), tensor, group=self._group)
         else:
             self._dist.all_gather_into_tensor(out, tensor, group=self._group)

@@ -50,6 +50,8 @@ def choose_strategy(
     >>> choose_strategy(8, 128, 2, shard_heads=True, rows=32)
     'alltoall'
     """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected an int of at least 1 (ranks in the group), got {world_size!r}")
     costs = {
         name: (
             sum(max(COLLECTIVE_US, rows * row_bytes / BYTES_PER_US) for row_bytes in collectives),
