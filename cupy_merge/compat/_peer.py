@@ -102,16 +102,9 @@ class PeerMerge:
             extents = tuple(sizes[axis] for axis in arg.axes)
             obj = given.get(arg.name)
             if obj is None:
-                dtype = dtype_of(values) if arg.field == "out" else "float32"
-                obj = empty(values, adapter, extents, dtype, stream)
-            elif arg.field == "out":
-                obj, _ = take(obj, arg.name)
-                expect_ndim(obj, len(extents), arg.name, arg.layout, self.values_convention)
-                expect_shape(obj, extents, arg.name, arg.layout, first.name, self.values_convention)
-                expect_dtype(obj, arg.name, VALUE_DTYPES)
-                expect_unit_last_stride(obj, arg.name, arg.layout)
+                obj = empty(values, adapter, extents, dtype_of(values) if arg.field == "out" else "float32", stream)
             else:
-                obj = lse_output(obj, arg.name, extents, arg.layout, first.name, convention)
+                obj = self._output(arg, obj, extents, first, convention)
             results.append(obj)
             core[arg.field] = obj
         by_arg = {arg.field: arg for arg in (*self.arguments, *self.results)}
@@ -151,6 +144,17 @@ class PeerMerge:
             raise TypeError(
                 f"{arg.name}: expected dtype bool {arg.layout} (True merges the token), got {dtype_of(obj)}; {arg.note}"
             )
+        return obj
+
+    def _output(self, arg: Arg, obj: Any, extents: tuple[int, ...], first: Arg, convention: str) -> Any:
+        """A result the caller gave, checked: values of any value dtype, an LSE of float32."""
+        if arg.field != "out":
+            return lse_output(obj, arg.name, extents, arg.layout, first.name, convention)
+        obj, _ = take(obj, arg.name)
+        expect_ndim(obj, len(extents), arg.name, arg.layout, self.values_convention)
+        expect_shape(obj, extents, arg.name, arg.layout, first.name, self.values_convention)
+        expect_dtype(obj, arg.name, VALUE_DTYPES)
+        expect_unit_last_stride(obj, arg.name, arg.layout)
         return obj
 
     def _core_view(self, arg: Arg, obj: Any) -> Any:
