@@ -387,3 +387,38 @@ def test_fresh_outputs_are_allocated_on_every_run_and_patched_into_their_slots(m
         assert arguments[out_slot] == adapter.pointer(out) and arguments[lse_slot] == adapter.pointer(out_lse)
         assert arguments[plan.slots("v_a")[0]] == v_a.ptr
     assert len(adapter.allocated) == 4 and len(launched) == 2  # new outputs every run
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_a_view_of_negative_strides_overlaps_the_bytes_below_its_address(itemsize):
+    """A CuPy view such as buf[::-1] starts at its highest element and reaches down: its bytes are
+    [ptr - 3 * itemsize, ptr + itemsize) for 4 elements, and an output there partly overlaps it."""
+    from cupy_merge import _addresses
+    from cupy_merge._arrays import ArrayView
+
+    top = 1 << 32
+    reversed_view = ArrayView(top, (4,), (-1,), "float32" if itemsize == 4 else "float16", itemsize, 0)
+    for ptr, overlapping in ((top - 3 * itemsize, True), (top - itemsize, True), (top - 4 * itemsize, False),
+                             (top + itemsize, False)):  # fmt: skip
+        other = ArrayView(ptr, (1,), (1,), reversed_view.dtype, itemsize, 0)
+        assert _addresses.overlaps(reversed_view, other) == overlapping, (ptr - top) // itemsize
+        assert _addresses.overlaps(other, reversed_view) == overlapping
+
+
+@pytest.mark.parametrize(
+    "shape, strides, refused",
+    [((3, 2, 2), (8, 4, 2), True), ((3, 2, 8), (32, 16, 2), True), ((3, 2, 1), (4, 2, 2), False),
+     ((0, 2, 4), (0, 0, 0), False), ((3, 2, 4), (8, 4, 1), False)],
+)  # fmt: skip
+def test_a_strided_last_dimension_is_refused_from_two_elements(shape, strides, refused):
+    """A row of values is read as contiguous packs: its elements must be adjacent wherever a row has
+    two or more (a row of one, or an empty array, has no such constraint)."""
+    from cupy_merge import _array_rules
+    from cupy_merge._arrays import ArraySpec
+
+    spec = ArraySpec(shape, strides, "float16", 2, 0)
+    if refused:
+        with pytest.raises(ValueError, match=r"^v_a: expected the last dimension \(head_size\) to be contiguous"):
+            _array_rules.expect_unit_last_stride(spec, "v_a")
+    else:
+        _array_rules.expect_unit_last_stride(spec, "v_a")

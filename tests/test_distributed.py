@@ -164,6 +164,17 @@ def test_bad_arguments_raise_before_any_collective():
             cmd.choose_strategy(world, 128, 2)
 
 
+def test_the_cost_model_counts_each_strategys_bytes_as_documented():
+    """Bytes a rank sends per row (ring algorithms), for W ranks and rows of b bytes: allgather
+    (W - 1)(b + 4); allreduce 4(W - 1) then 2b(W - 1)/W; alltoall (b + 4)(W - 1)/W;
+    allgather_reducescatter 4(W - 1) then b(W - 1)/W."""
+    assert cmd.strategy_costs(4, 256) == {
+        "allgather": (780.0,), "allreduce": (12.0, 384.0), "alltoall": (195.0,),
+        "allgather_reducescatter": (12.0, 192.0),
+    }  # fmt: skip
+    assert cmd.choose_strategy(1, 128, 2, rows=32) in ("allgather", "allreduce")
+
+
 def test_bad_shapes_raise_before_any_collective_in_a_group():
     pytest.importorskip("torch")
     from distributed_worker import run_bad_inputs_rank

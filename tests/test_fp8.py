@@ -72,6 +72,19 @@ def test_ue8m0_rounds_a_scale_just_above_a_power_of_two_up_as_the_kernel_does():
             assert values.astype(np.float64).ravel()[0] == reference.quantize_fp8(np.float64(amax) / want, 1.0)
 
 
+@pytest.mark.parametrize("builder", [_options.two_state_options, _options.many_state_options])
+@pytest.mark.parametrize("name", ["scale_ue8m0", "quant_scale_ue8m0"])
+def test_the_option_builders_fast_path_takes_only_the_defaults(builder, name):
+    """The builders return their default options at once for the default arguments (a host-cost
+    fast path); a ue8m0 flag without block scales, or of another type, still gets its error."""
+    if name not in builder.__code__.co_varnames:
+        pytest.skip(f"{builder.__name__} has no {name}")
+    with pytest.raises(ValueError, match=r"^scale_ue8m0: given without output_block_scale"):
+        builder(**{name: True})
+    with pytest.raises(TypeError, match=rf"^{name}: expected True or False"):
+        builder(**{name: 0}, output_block_scale=object(), quant_group_size=128)
+
+
 @pytest.mark.parametrize(
     "group, block_scale, ue8m0, error, words",
     [

@@ -1405,3 +1405,22 @@ def test_a_jax_array_on_the_cpu_is_refused_by_name_before_anything_runs(monkeypa
         assert calls == []
     finally:
         cmj._clear_caches()
+
+
+@pytest.mark.parametrize("size", [3, 9])  # unrolled, then by lax.map (more than _jax_batching._UNROLL)
+def test_vmap_with_values_shared_by_the_batch_merges_each_element_alone(numpy_kernels, rng, size):
+    """Shared values are not copied B times: each element is merged on its own, the batched
+    operands sliced and the shared ones passed whole, in their places."""
+    from cupy_merge import _jax_batching
+
+    assert (size > _jax_batching._UNROLL) == (size == 9)
+    v_a = jnp.asarray(rng.standard_normal((size, 4, 2, 8)), jnp.float32)
+    s_a = jnp.asarray(rng.standard_normal((size, 2, 4)) * 3, jnp.float32)
+    _, _, v_b, s_b = _states(rng, 4, 2, 8)
+    numpy_kernels.calls = 0
+    got_v, got_s = jax.jit(jax.vmap(cmj.merge_state, in_axes=(0, 0, None, None)))(v_a, s_a, v_b, s_b)
+    assert numpy_kernels.calls == size
+    for b in range(size):
+        want_v, want_s = reference.merge_state(_host(v_a[b]), _host(s_a[b]), _host(v_b), _host(s_b))
+        _close(got_v[b], want_v)
+        _close(got_s[b], want_s)

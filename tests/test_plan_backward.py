@@ -309,3 +309,41 @@ def test_the_merges_results_come_both_or_neither_and_as_the_merge_returned_them(
         _plan_of(MERGE_STATES_BACKWARD, operands._replace(merged=view((TOKENS, HEADS, 64), "bfloat16", ptr=8 << 32)))
     with pytest.raises(ValueError, match="^out_lse: expected shape"):
         _plan_of(MERGE_STATES_BACKWARD, operands._replace(merged_lse=view((TOKENS, HEADS), "float32", ptr=9 << 32)))
+
+
+@pytest.mark.parametrize("states", [3, 12])
+def test_dense_states_are_stepped_by_their_state_stride(states):
+    """A state's values and LSE follow the previous one's by the state stride of their arrays
+    ([S, T, H, D] and [S, H, T]); the gradients', written like them, by theirs. Strided views:
+    each stride is its own number."""
+    v = view((states, TOKENS, HEADS, 64), "bfloat16", ptr=1 << 32, strides=(5 * TOKENS * HEADS * 64, HEADS * 64, 64, 1))
+    s = view((states, HEADS, TOKENS), "float32", ptr=2 << 32, strides=(3 * HEADS * TOKENS, TOKENS, 1))
+    operands = _dense(states, head_size=64)._replace(v=v, s=s)
+    args = arguments(_plan_of(MERGE_STATES_BACKWARD, operands))
+    assert args["v_stride_state"] == 5 * TOKENS * HEADS * 64 and args["s_stride_state"] == 3 * HEADS * TOKENS
+    assert args["v0_stride_token"] == HEADS * 64 and args["v0_stride_head"] == 64
+    assert args["s0_stride_head"] == TOKENS and args["s0_stride_token"] == 1
+    assert args["gv_stride_state"] == TOKENS * HEADS * 64 and args["gs_stride_state"] == HEADS * TOKENS
+
+
+@pytest.mark.parametrize(
+    "field, bad, error, words",
+    [
+        ("grad_out", {"dtype": "int32"}, TypeError, r"^grad_v: expected dtype float32, float16 or bfloat16, got int32"),
+        ("grad_out", {"device": 1}, ValueError, r"^grad_v: expected an array on device 0 \(where v is\)"),
+        ("grad_out", {"offset": 1}, ValueError, r"^grad_v: expected an address aligned to its 2-byte elements"),
+        ("grad_lse", {"device": 1}, ValueError, r"^grad_s: expected an array on device 0 \(where v is\)"),
+        ("grad_lse", {"shape": (HEADS, TOKENS, 1)}, ValueError, r"^grad_s: expected a 2-D array \[num_heads, num_tokens\]"),
+        ("grad_lse", {"offset": 2}, ValueError, r"^grad_s: expected an address aligned to its 4-byte elements"),
+        ("grad_lse", {"dtype": "float16"}, TypeError, r"^grad_s: expected a float32 log-sum-exp, got dtype float16"),
+    ],
+)  # fmt: skip
+def test_a_bad_incoming_gradient_is_refused_by_its_name(field, bad, error, words):
+    base = _dense(3, head_size=64)
+    good = getattr(base, field)
+    shape = bad.get("shape", good.shape)
+    strides = None if "shape" in bad else good.strides
+    replaced = view(shape, bad.get("dtype", good.dtype), ptr=good.ptr + bad.get("offset", 0), strides=strides,
+                    device=bad.get("device", 0))  # fmt: skip
+    with pytest.raises(error, match=words):
+        _plan_of(MERGE_STATES_BACKWARD, base._replace(**{field: replaced}))

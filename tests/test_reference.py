@@ -307,3 +307,19 @@ def test_check_indptr_must_be_a_bool():
         reference.merge_states_varlen(
             np.zeros((1, 1, 2)), np.zeros((1, 1)), np.array([0, 1]), check_indptr="no"
         )
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: reference.merge_state(np.ones((2, 1, 4), np.int32), np.zeros((1, 2)), np.ones((2, 1, 4)),
+                                       np.zeros((1, 2))), r"^v_a: expected dtype float32, float16 or bfloat16, got int32"),
+        (lambda: reference.merge_states(np.ones((2, 2, 1, 4)), np.zeros((2, 1, 2), np.int64)),
+         r"^s: expected a float32 log-sum-exp, got dtype int64"),
+        (lambda: reference.merge_states_varlen(np.ones((2, 1, 4), np.uint8), np.zeros((1, 2)), np.array([0, 2])),
+         r"^v: expected dtype float32, float16 or bfloat16, got uint8"),
+    ],
+)  # fmt: skip
+def test_integer_states_are_refused_as_the_gpu_merges_refuse_them(call, words):
+    with pytest.raises(TypeError, match=words):
+        call()
