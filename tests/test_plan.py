@@ -494,3 +494,38 @@ def test_strides_too_irregular_to_decide_are_refused(monkeypatch):
         ValueError, match="^out: expected an output whose elements provably do not share memory"
     ):
         _array_rules.expect_no_self_overlap(view((5, 5, 5), "float32", strides=(31, 7, 1)).spec, "out")
+
+
+class _Family:
+    """A kernel family of no parameters: what _plan._launch reads of one past its limit check."""
+
+    name = "a_kernel"
+    params: tuple = ()
+
+    @staticmethod
+    def instance(**template):
+        return "a_kernel<>"
+
+    @staticmethod
+    def arguments(**values):
+        return ()
+
+
+@pytest.mark.parametrize(
+    "grid, block, within",
+    [
+        ((2**31 - 1, 65535, 65535), (1024, 1, 1), True), ((1, 1, 1), (1, 1, 64), True), ((1, 1, 1), (16, 1, 64), True),
+        ((2**31, 1, 1), (128, 1, 1), False), ((0, 1, 1), (128, 1, 1), False), ((1, 65536, 1), (128, 1, 1), False),
+        ((1, 1, 65536), (128, 1, 1), False), ((1, 0, 1), (128, 1, 1), False), ((1, 1, 1), (1025, 1, 1), False),
+        ((1, 1, 1), (1, 1025, 1), False), ((1, 1, 1), (1, 1, 65), False), ((1, 1, 1), (32, 32, 2), False),
+        ((1, 1, 1), (0, 1, 1), False),
+    ],
+)  # fmt: skip
+def test_a_launch_past_cudas_grid_and_block_limits_is_refused_before_the_driver(grid, block, within):
+    """CUDA takes grids of up to 2**31 - 1 blocks in x and 65535 in y and z, blocks of up to 1024
+    threads (1024, 1024 and 64 in x, y and z): a plan past them is a planner's mistake, named here."""
+    if within:
+        assert _plan._launch(_Family, None, {}, grid, block, 0, {}).grid == grid
+    else:
+        with pytest.raises(RuntimeError, match=r"^cupy_merge planned a a_kernel launch past CUDA's limits"):
+            _plan._launch(_Family, None, {}, grid, block, 0, {})
