@@ -529,3 +529,21 @@ def test_a_launch_past_cudas_grid_and_block_limits_is_refused_before_the_driver(
     else:
         with pytest.raises(RuntimeError, match=r"^cupy_merge planned a a_kernel launch past CUDA's limits"):
             _plan._launch(_Family, None, {}, grid, block, 0, {})
+
+
+@pytest.mark.parametrize("extra, vec", [(0, "8"), (4, "4"), (2, "2"), (1, "1")])
+def test_two_states_of_an_n_way_merge_take_the_vectors_their_second_states_offset_allows(extra, vec):
+    """Two stacked states go to the two-way kernel, the second read at its state offset: a state
+    stride of ``extra`` bfloat16 elements past a whole row of packs aligns it to 2 * extra bytes,
+    and the vectors narrow to that (wider ones would be misaligned loads)."""
+    tokens, heads, head_size = 4, 2, 64
+    stride = tokens * heads * head_size + extra
+    views = {
+        "out": view((tokens, heads, head_size), "bfloat16", ptr=1 << 32),
+        "out_lse": view((heads, tokens), "float32", ptr=2 << 32),
+        "v": view((2, tokens, heads, head_size), "bfloat16", ptr=3 << 32,
+                  strides=(stride, heads * head_size, head_size, 1)),
+        "s": view((2, heads, tokens), "float32", ptr=4 << 32),
+    }  # fmt: skip
+    (launch,) = plan_checked(MERGE_STATES, ManyStateOptions(), views).plan
+    assert "merge_two_states" in launch.kernel and template(launch)["VEC"] == vec
