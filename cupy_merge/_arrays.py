@@ -576,31 +576,3 @@ def to_numpy(array: Any, stream: int | None = None) -> numpy.ndarray:
         return cupy.asnumpy(array)
     with cupy.cuda.Device(array.device.id):
         return cupy.asnumpy(array, stream=cupy.cuda.Stream.from_external(_RawStream(stream)))
-
-
-class PointerGuard:
-    """A bound merge's torch tensors as bound: their data pointers and storages. Each storage is
-    held, so its memory cannot be handed to another tensor while the merge is bound; a tensor moved
-    to other memory since (``t.set_(...)``, ``t.data = ...``, a storage reallocated or freed) or
-    whose storage was resized in place (where the allocator could hand back the same address) is
-    refused before anything is launched."""
-
-    __slots__ = ("_tensors",)
-
-    def __init__(self, arrays: tuple, names: tuple):
-        torch = torch_module()
-        tensors = [(array, name) for array, name in zip(arrays, names)
-                   if torch is not None and isinstance(array, torch.Tensor)]  # fmt: skip
-        storages = [tensor.untyped_storage() for tensor, _ in tensors]
-        self._tensors = tuple(
-            (tensor, tensor.data_ptr(), storage, storage.nbytes(), name)
-            for (tensor, name), storage in zip(tensors, storages)
-        )
-
-    def check(self) -> None:
-        for tensor, pointer, storage, nbytes, name in self._tensors:
-            if tensor.data_ptr() != pointer or storage.nbytes() != nbytes:
-                raise RuntimeError(
-                    f"{name}: no longer points at the memory this merge was bound to (its storage was "
-                    f"replaced, resized or freed); bind the merge again"
-                )

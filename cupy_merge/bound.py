@@ -111,7 +111,7 @@ class BoundMerge:
             if operation.returns
             else None
         )
-        self._guard = _arrays.PointerGuard(tuple(bound), tuple(operation.names))
+        self._guard = PointerGuard(tuple(bound), tuple(operation.names))
         # Every launch writes the same tensors again, the outputs allocated here too (a caller may
         # have saved one for backward): their version counters count each launch.
         torch = _arrays.torch_module()
@@ -161,6 +161,34 @@ class BoundMerge:
     def __repr__(self) -> str:
         kernel = "nothing (empty arrays)" if not self._launches else "a prepared kernel"
         return f"<BoundMerge of {self._adapter.kind} arrays on device {self._device}: launches {kernel}>"
+
+
+class PointerGuard:
+    """A bound merge's torch tensors as bound: their data pointers and storages. Each storage is
+    held, so its memory cannot be handed to another tensor while the merge is bound; a tensor moved
+    to other memory since (``t.set_(...)``, ``t.data = ...``, a storage reallocated or freed) or
+    whose storage was resized in place (where the allocator could hand back the same address) is
+    refused before anything is launched."""
+
+    __slots__ = ("_tensors",)
+
+    def __init__(self, arrays: tuple, names: tuple):
+        torch = _arrays.torch_module()
+        tensors = [(array, name) for array, name in zip(arrays, names)
+                   if torch is not None and isinstance(array, torch.Tensor)]  # fmt: skip
+        storages = [tensor.untyped_storage() for tensor, _ in tensors]
+        self._tensors = tuple(
+            (tensor, tensor.data_ptr(), storage, storage.nbytes(), name)
+            for (tensor, name), storage in zip(tensors, storages)
+        )
+
+    def check(self) -> None:
+        for tensor, pointer, storage, nbytes, name in self._tensors:
+            if tensor.data_ptr() != pointer or storage.nbytes() != nbytes:
+                raise RuntimeError(
+                    f"{name}: no longer points at the memory this merge was bound to (its storage was "
+                    f"replaced, resized or freed); bind the merge again"
+                )
 
 
 def bind(merge: Callable[..., Any], *args: Any, **kwargs: Any) -> Bound:

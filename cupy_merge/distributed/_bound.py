@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import _arrays
 from .._checks import RANK_NAMES
+from ..bound import PointerGuard
 from ..bound import bind as bind_merge
 from ..merge_many import merge_states
 from . import _steps, _strategies
@@ -71,7 +72,7 @@ class BoundAcrossRanks:
         self._result = (out, out_lse)
         self._adapter = call.adapter
         self._device = state.device
-        self._guard = _arrays.PointerGuard(tuple(call.arrays), tuple(RANK_NAMES))
+        self._guard = PointerGuard(tuple(call.arrays), tuple(RANK_NAMES))
         steps: Callable[[], None]
         if not call.on_gpu:
             steps = functools.partial(rerun, out=out, out_lse=out_lse)
