@@ -388,26 +388,12 @@ def run_gradients(cell, rng, device="cuda"):
             pytest.skip("JAX has no CUDA device here")
         import jax.numpy as jnp
 
-        import cupy_merge.jax as cmj
-
         if way == "jax.vmap grad":
             return _run_jax_vmapped_gradients(operation, variant, dict(arrays, grad_out=grad_out, grad_lse=grad_lse), rng)
         if way == "jax.shard_map grad":
             return _run_jax_sharded_gradients(operation, variant, dict(arrays, grad_out=grad_out, grad_lse=grad_lse), rng)
-        given = {field: jnp.asarray(x) for field, x in arrays.items()}
-        fixed = {getattr(names, f): given[f] for f in given if f not in differentiable}
-        if takes(operation, "check_indptr"):
-            fixed["check_indptr"] = False
-        function = getattr(cmj, operation.name)
-
-        def merge(*primals):
-            kwargs = {getattr(names, f): x for f, x in zip(differentiable, primals)}
-            return function(**kwargs, **fixed, lse_base=variant.lse_base)
-
-        def vjp(*primals):
-            return jax.vjp(merge, *primals)[1]((jnp.asarray(grad_out), jnp.asarray(grad_lse)))
-
-        grads = jax.jit(vjp)(*(given[f] for f in differentiable))
+        given = {field: jnp.asarray(x) for field, x in dict(arrays, grad_out=grad_out, grad_lse=grad_lse).items()}
+        grads = jax.jit(lambda at: _element_vjp(operation, variant, at))(given)
         got = {field: np.asarray(grad, np.float64) for field, grad in zip(differentiable, grads)}
     assert set(got) == set(want)
     for field in differentiable:
