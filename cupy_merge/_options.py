@@ -99,11 +99,11 @@ def token_count(value: Any, name: str = "prefill_tokens_with_context") -> int | 
     """
     if value is None:
         return None
-    if type(value).__name__ == "SymInt" and type(value).__module__.startswith("torch"):
-        # A size traced outside Dynamo (make_fx, non-strict export): kept symbolic, as the op's
-        # schema declares it; the fake checks its traced value and the kernel's call its value.
-        return value
     if isinstance(value, bool) or not (isinstance(value, int) or type(value).__module__ == "numpy"):
+        if type(value).__name__ == "SymInt" and type(value).__module__.startswith("torch"):
+            # A size traced outside Dynamo (make_fx, non-strict export): kept symbolic, as the op's
+            # schema declares it; the fake checks its traced value and the kernel's call its value.
+            return value
         raise TypeError(f"{name}: expected None or an int, got {type(value).__name__}")
     try:
         # A Python int as it is: under torch.compile it stays a symbolic size (operator.index would

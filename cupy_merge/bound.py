@@ -66,8 +66,9 @@ class BoundMerge:
     when bound: shapes and strides are not read again (rebind after changing them
     in place). A torch tensor moved to other memory since (``t.data = ...``,
     ``t.set_(...)``) or whose storage was resized or freed is refused with
-    ``RuntimeError`` before anything is launched. Launched on a stream other than the current one, keep the bound
-    merge alive until that stream has finished.
+    ``RuntimeError`` before anything is launched. Launched on a stream other
+    than the current one, keep the bound merge alive until that stream has
+    finished.
 
     Parameters
     ----------
@@ -174,13 +175,12 @@ class PointerGuard:
 
     def __init__(self, arrays: tuple, names: tuple):
         torch = _arrays.torch_module()
-        tensors = [(array, name) for array, name in zip(arrays, names)
-                   if torch is not None and isinstance(array, torch.Tensor)]  # fmt: skip
-        storages = [tensor.untyped_storage() for tensor, _ in tensors]
-        self._tensors = tuple(
-            (tensor, tensor.data_ptr(), storage, storage.nbytes(), name)
-            for (tensor, name), storage in zip(tensors, storages)
-        )
+        tensors = []
+        for array, name in zip(arrays, names):
+            if torch is not None and isinstance(array, torch.Tensor):
+                storage = array.untyped_storage()
+                tensors.append((array, array.data_ptr(), storage, storage.nbytes(), name))
+        self._tensors = tuple(tensors)
 
     def check(self) -> None:
         for tensor, pointer, storage, nbytes, name in self._tensors:

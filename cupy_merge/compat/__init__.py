@@ -27,6 +27,7 @@ defined here (layout checks in the peers' words, views, allocation) serve them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from .. import _arrays
@@ -263,13 +264,14 @@ def index_array(obj: Any, name: str, allowed: tuple[str, ...], layout: str) -> A
     return obj
 
 
-def refuse_grad(arrays: dict[str, Any], differentiable: str) -> None:
-    """In grad mode, a tensor that requires grad is refused, naming it: the drop-ins are not
-    differentiable (nor are their peers' kernels); the core merge ``differentiable`` is."""
+def refuse_grad(arrays: Iterable[tuple[str, Any]], differentiable: str) -> None:
+    """In grad mode, a tensor of ``arrays`` (name, array pairs, read only in grad mode) that requires
+    grad is refused, naming it: the drop-ins are not differentiable (nor are their peers' kernels);
+    the core merge ``differentiable`` is."""
     torch = _arrays.torch_module()
     if torch is None or not torch.is_grad_enabled():
         return
-    for name, obj in arrays.items():
+    for name, obj in arrays:
         if isinstance(obj, torch.Tensor) and obj.requires_grad:
             raise RuntimeError(
                 f"{name}: requires grad, and the drop-ins are not differentiable (nor are the peers' kernels); "

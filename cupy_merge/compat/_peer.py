@@ -108,7 +108,7 @@ class PeerMerge:
             results.append(obj)
             core[arg.field] = obj
         by_arg = {arg.field: arg for arg in (*self.arguments, *self.results)}
-        refuse_grad({by_arg[field].name: x for field, x in core.items()},
+        refuse_grad(((by_arg[field].name, x) for field, x in core.items()),
                     self.operation.name if self.operation.backward else "merge_state")  # fmt: skip
         names = self.operation.names
         views = {getattr(names, field): self._core_view(by_arg[field], x) for field, x in core.items()}

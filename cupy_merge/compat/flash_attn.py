@@ -236,7 +236,7 @@ def flash_attn_combine(
             raise TypeError(
                 f"out_dtype: expected None or out's dtype {dtype} when out is given, got {out_dtype!r}"
             )
-    refuse_grad({"out_partial": out_partial, "lse_partial": lse_partial, "out": out}, "merge_states")
+    refuse_grad((("out_partial", out_partial), ("lse_partial", lse_partial), ("out", out)), "merge_states")
     if varlen:
         _, total_q, num_heads, _ = shape
         lse_store = empty(out_partial, adapter, (num_heads, total_q), "float32", stream)

@@ -30,7 +30,8 @@ class TorchGroup:
                 f"group: expected None (the default group) or a torch.distributed.ProcessGroup for torch "
                 f"tensors, got {type(group).__name__}"
             )
-        if outside or (group is not None and dist.get_rank(group) < 0):
+        self.rank = -1 if outside else dist.get_rank(group)
+        if self.rank < 0:
             raise ValueError(
                 f"group: this process (rank {dist.get_rank()} of the default group) is not a member of the "
                 f"group; call the merge on the group's ranks only"
@@ -38,7 +39,6 @@ class TorchGroup:
         self._dist = dist
         self._group = group
         self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
         self._gloo = dist.get_backend(group) == "gloo"
 
     def all_gather(self, out: Any, tensor: Any) -> None:
