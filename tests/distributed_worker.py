@@ -116,10 +116,29 @@ def run_rank(rank: int, world: int, init_method: str, backend: str, dtypes: list
                     _compare(out.double().cpu().numpy(), out_lse.double().cpu().numpy() * np.log(2), exact_v,
                              exact_s, tolerance, f"{backend} {dtype} {op} shard={shard_heads} out {width}",
                              failures)  # fmt: skip
+        if backend == "nccl":  # gloo checks by default; on GPUs check_ranks asks for it
+            _expect_mismatch(lambda **kw: cmd.merge_across_ranks(tv, ts, check_ranks=True, **kw), rank, world,
+                             "nccl check_ranks", failures)  # fmt: skip
+            got_v, got_s = cmd.merge_across_ranks(tv, ts, check_ranks=True)
+            exact_v, exact_s, _ = _expected(
+                states, lambda x: torch.tensor(x, dtype=tv.dtype).double().numpy(), False, rank, world
+            )
+            _compare(got_v.double().cpu().numpy(), got_s.double().cpu().numpy(), exact_v, exact_s, 1e-2,
+                     "nccl checked, called alike", failures)  # fmt: skip
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - every failure goes back to the test as text
         failures.append(traceback.format_exc())
     queue.put((rank, failures))
+
+
+def _expect_mismatch(merge, rank: int, world: int, label: str, failures: list) -> None:
+    """``merge(lse_base=...)`` with base 2 on the last rank only, checked: every rank raises."""
+    try:
+        merge(lse_base=2 if rank == world - 1 else "e")
+        failures.append(f"{label}: ranks called differently, no error on rank {rank}")
+    except ValueError as raised:
+        if "lse_base is 'e' on rank" not in str(raised):
+            failures.append(f"{label}, rank {rank}: {raised}")
 
 
 def _numpy_dtype(name: str):
@@ -154,6 +173,12 @@ def run_cupy_rank(rank: int, world: int, uid, dtype: str, queue) -> None:
             _compare(cupy.asnumpy(got_v).astype(np.float64), cupy.asnumpy(got_s).astype(np.float64), exact_v,
                      exact_s, 1e-5 if dtype == "float32" else 1e-2, f"cupy nccl {dtype} {op} shard={shard_heads}",
                      failures)  # fmt: skip
+            checked = cmd.merge_across_ranks(cv, cs, comm, op=op, shard_heads=shard_heads, check_ranks=True)
+            _compare(cupy.asnumpy(checked[0]).astype(np.float64), cupy.asnumpy(checked[1]).astype(np.float64),
+                     exact_v, exact_s, 1e-5 if dtype == "float32" else 1e-2, f"cupy nccl {dtype} {op} checked",
+                     failures)  # fmt: skip
+        _expect_mismatch(lambda **kw: cmd.merge_across_ranks(cv, cs, comm, check_ranks=True, **kw), rank, world,
+                         "cupy nccl check_ranks", failures)  # fmt: skip
     except Exception:  # noqa: BLE001
         failures.append(traceback.format_exc())
     queue.put((rank, failures))
@@ -214,6 +239,70 @@ def run_bad_inputs_rank(rank: int, world: int, init_method: str, queue) -> None:
     queue.put((rank, failures))
 
 
+def run_mismatch_rank(rank: int, world: int, init_method: str, queue) -> None:
+    """Ranks called differently raise the same ValueError on every rank (the check is on by default
+    for CPU tensors), before any of the merge's collectives: the group stays in step."""
+    failures = []
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import cupy_merge as cm
+        import cupy_merge.distributed as cmd
+
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+        rng = np.random.default_rng(7)  # the same data on every rank
+        v, s = torch.from_numpy(rng.standard_normal((3, 4, 8))), torch.from_numpy(rng.standard_normal((4, 3)))
+        v, s = v.float(), s.float()
+        sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+        other = rank == world - 1
+        cases = [  # (this rank's arguments, words every rank's error has)
+            (((v.half() if other else v.bfloat16()), s), {},
+             ["v's dtype is bfloat16 on rank 0, float16 on rank 1"]),
+            ((v.reshape(4, 3, 8) if other else v.reshape(3, 4, 8)[:, :3], s[:3] if not other else s.reshape(3, 4)),
+             {}, ["v's shape is [3, 3, 8] on rank 0", "[4, 3, 8] on rank 1"]),
+            ((v, s), {"lse_base": 2 if other else "e"}, ["lse_base is 'e' on rank 0, 2 on rank 1"]),
+            ((v, s), {"sinks": sinks if other else None}, ["sinks is none on rank 0, given (checksum"]),
+            ((v, s), {"sinks": sinks + (1.0 if other else 0.0)}, ["sinks is given (checksum"]),
+            ((v, s), {"op": "allreduce" if other else "allgather"}, ["op is 'allgather' on rank 0, 'allreduce' on rank 1"]),
+            ((v, s), {"shard_heads": other}, ["shard_heads is False on rank 0, True on rank 1", "op is"]),
+            ((v[:0] if other else v, s[:, :0] if other else s), {}, ["v's shape is [3, 4, 8] on rank 0, [0, 4, 8]"]),
+        ]  # fmt: skip
+        for number, (args, kwargs, words) in enumerate(cases):
+            try:
+                cmd.merge_across_ranks(*args, **kwargs)
+                failures.append(f"case {number}: no error on rank {rank}")
+            except ValueError as raised:
+                text = str(raised)
+                if not (text.startswith("merge_across_ranks: the ranks were not called alike: ")
+                        and all(w in text for w in words)):  # fmt: skip
+                    failures.append(f"case {number}, rank {rank}: {text}")
+        # A rank refusing its own arrays tells its peers, which raise instead of waiting.
+        try:
+            cmd.merge_across_ranks(v, s, out=torch.empty(3, 4, 9) if other else None)
+            failures.append(f"refused: no error on rank {rank}")
+        except ValueError as raised:
+            want = "out: expected float32 of shape (3, 4, 8)" if other else "merge_across_ranks: rank 1 refused its"
+            if not str(raised).startswith(want):
+                failures.append(f"refused, rank {rank}: {raised}")
+        # Bound, the ranks are compared once, when every rank binds.
+        try:
+            cm.bind(cmd.merge_across_ranks, v, s, lse_base=2 if other else "e")
+            failures.append(f"bind: no error on rank {rank}")
+        except ValueError as raised:
+            if "lse_base is 'e' on rank 0, 2 on rank 1" not in str(raised):
+                failures.append(f"bind, rank {rank}: {raised}")
+        # The group is still in step: a merge called alike is right afterwards, checked or not.
+        for check in (None, True, False):
+            out, lse = cmd.merge_across_ranks(v, s, check_ranks=check)
+            want_v, want_s = reference.merge_states(np.stack([v.numpy()] * world), np.stack([s.numpy()] * world))
+            _compare(out.numpy(), lse.numpy(), want_v, want_s, 1e-5, f"after the mismatches, check {check}", failures)
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        failures.append(traceback.format_exc())
+    queue.put((rank, failures))
+
+
 def run_graph_rank(rank: int, world: int, init_method: str, queue) -> None:
     """Every strategy captured by torch.cuda.graph with NCCL, replayed on new data."""
     failures = []
@@ -263,15 +352,45 @@ def run_graph_rank(rank: int, world: int, init_method: str, queue) -> None:
             ts.copy_(torch.tensor(part_s))
             bound_graph.replay()
             torch.cuda.synchronize()
-            first_v, first_s, _ = _expected(
-                _shard_states(rank, world, 7)[1], lambda x: torch.tensor(x, dtype=torch.bfloat16).double().numpy(),
-                shard_heads, rank, world,
-            )  # fmt: skip
+            first_v, first_s = _expected_bfloat16(7, shard_heads, rank, world)
             _compare(bound_v.double().cpu().numpy(), bound_s.double().cpu().numpy(), first_v, first_s, 1e-2,
                      f"bound graph {op} shard={shard_heads}", failures)  # fmt: skip
+        # The ranks' check reads the gathered calls on the host: on by the environment it is left
+        # out of a capture; asked for with check_ranks=True it is refused by name.
+        import os
+
+        os.environ["CUPY_MERGE_CHECK_RANKS"] = "1"
+        cmd.merge_across_ranks(tv, ts)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            env_v, env_s = cmd.merge_across_ranks(tv, ts)
+        graph.replay()
+        torch.cuda.synchronize()
+        first_v, first_s = _expected_bfloat16(7, False, rank, world)
+        _compare(env_v.double().cpu().numpy(), env_s.double().cpu().numpy(), first_v, first_s, 1e-2,
+                 "graph, the check on by the environment", failures)  # fmt: skip
+        try:
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                cmd.merge_across_ranks(tv, ts, check_ranks=True)
+            failures.append("check_ranks=True under capture: no error")
+        except ValueError as raised:
+            if not str(raised).startswith("check_ranks: the ranks' calls cannot be compared while a CUDA graph"):
+                failures.append(f"check_ranks=True under capture: {raised}")
     except Exception:  # noqa: BLE001
         failures.append(traceback.format_exc())
     _report_and_exit(queue, rank, failures)
+
+
+def _expected_bfloat16(seed: int, shard_heads: bool, rank: int, world: int):
+    """The float64 merge of seed ``seed``'s states rounded to bfloat16: this rank's values and LSE."""
+    import torch
+
+    rounded = _expected(
+        _shard_states(rank, world, seed)[1], lambda x: torch.tensor(x, dtype=torch.bfloat16).double().numpy(),
+        shard_heads, rank, world,
+    )  # fmt: skip
+    return rounded[0], rounded[1]
 
 
 def _report_and_exit(queue, rank: int, failures: list[str]) -> None:

@@ -183,6 +183,59 @@ def test_bad_shapes_raise_before_any_collective_in_a_group():
     _run_ranks(run_bad_inputs_rank, 2, lambda rank: (rank, 2, init))
 
 
+def test_ranks_called_differently_raise_the_same_error_on_every_rank():
+    pytest.importorskip("torch")
+    from distributed_worker import run_mismatch_rank
+
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    _run_ranks(run_mismatch_rank, 2, lambda rank: (rank, 2, init), timeout=120)
+
+
+def test_the_ranks_check_names_each_difference_and_the_ranks_on_each_side():
+    import numpy as np
+
+    from cupy_merge.distributed import _agreement
+
+    def row(dtype="float16", shape=(3, 4, 8), base=0, shard=0, op="allgather", sinks=0):
+        return [_agreement.CHECKED, _agreement.DTYPES.index(dtype), *shape, base, shard, _agreement.OPS.index(op), sinks]
+
+    alike = np.array([row(), row(), row()])
+    assert _agreement.mismatch(alike, 0) == ""
+    rows = np.array([row(), row(dtype="bfloat16", base=1), row(shape=(3, 4, 16), sinks=0x1234 + 1)])
+    message = _agreement.mismatch(rows, 2)
+    assert message.startswith("merge_across_ranks: the ranks were not called alike: ")
+    for words in ("v's dtype is float16 on ranks 0, 2, bfloat16 on rank 1",
+                  "v's shape is [3, 4, 8] on ranks 0, 1, [3, 4, 16] on rank 2",
+                  "lse_base is 'e' on ranks 0, 2, 2 on rank 1",
+                  "sinks is none on ranks 0, 1, given (checksum 00001234) on rank 2"):  # fmt: skip
+        assert words in message
+    assert "shard_heads" not in message and "op is" not in message
+    refusing = np.array([row(), _agreement.refused(), _agreement.refused()])
+    assert _agreement.mismatch(refusing, 1) == ""  # a refusing rank raises its own error
+    assert _agreement.mismatch(refusing, 0).startswith("merge_across_ranks: ranks 1, 2 refused their arguments")
+
+
+def test_the_ranks_check_is_on_for_cpu_tensors_and_where_the_environment_asks(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from cupy_merge import _arrays
+    from cupy_merge.distributed import _agreement
+
+    monkeypatch.delenv("CUPY_MERGE_CHECK_RANKS", raising=False)
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+    on_host, elsewhere = torch.zeros(1), torch.zeros(1, device="meta")  # "meta" stands in for a GPU here
+    assert _agreement.wanted(None, _arrays.TORCH, on_host)
+    assert not _agreement.wanted(None, _arrays.TORCH, elsewhere)
+    assert not _agreement.wanted(False, _arrays.TORCH, on_host) and _agreement.wanted(True, _arrays.TORCH, elsewhere)
+    assert not _agreement.wanted(None, _arrays.CUPY, None)
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "detail")
+    assert _agreement.wanted(None, _arrays.TORCH, elsewhere) and not _agreement.wanted(None, _arrays.CUPY, None)
+    monkeypatch.setenv("CUPY_MERGE_CHECK_RANKS", "1")
+    assert _agreement.wanted(None, _arrays.CUPY, None)
+    assert not _agreement.wanted(False, _arrays.CUPY, None)
+    with pytest.raises(TypeError, match="^check_ranks: expected True or False"):
+        _agreement.wanted("yes", _arrays.TORCH, on_host)
+
+
 class _StubNccl:
     """Stands in for a ``cupy.cuda.nccl.NcclCommunicator``: records every collective it is asked for."""
 

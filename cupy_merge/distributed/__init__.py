@@ -34,9 +34,11 @@ counted once over all ranks, by every strategy. The summing strategies add value
 their own dtype (as vLLM does): for 16-bit values each rank's term is rounded
 once more than in the exchanging ones. Every rank must pass the same shapes, dtypes
 and options (``lse_base``, ``op``, ``shard_heads``, the sinks, the batch-invariant mode), and a
-rank with no tokens the same token count as its peers (LSE ``-inf``). This is not checked, as
-that would take a collective a call: otherwise the collectives fail, wait until the group's
-timeout, or (where the bytes happen to agree) return wrong values.
+rank with no tokens the same token count as its peers (LSE ``-inf``). ``check_ranks`` checks
+that with one more small collective, and raises the same error on every rank where they
+differ; it is on for CPU tensors and off on GPUs unless asked for (it waits for the GPU).
+Unchecked, such calls make the collectives fail, wait until the group's timeout, or (where
+the bytes happen to agree) return wrong values.
 
 Communicators: a ``torch.distributed`` process group (NCCL for CUDA tensors,
 gloo for CPU tensors) when ``v`` is a torch tensor; a
@@ -85,6 +87,7 @@ def merge_across_ranks(
     lse_base: LseBase = "e",
     sinks: Array | None = None,
     stream: Stream = None,
+    check_ranks: bool | None = None,
 ) -> tuple[Array, Array]:
     """Merge this rank's partial attention state with every other rank's.
 
@@ -121,6 +124,17 @@ def merge_across_ranks(
     stream : Stream
         The stream the collectives and kernels run on (of the arrays' device);
         default: the current one (torch's or CuPy's).
+    check_ranks : bool, optional
+        Compare every rank's call (dtype, shape, ``lse_base``, ``shard_heads``, the
+        strategy, the sinks' values) with one more small all-gather before the
+        merge's collectives, and raise the same ``ValueError`` on every rank where
+        they differ; a rank refusing its own arrays then tells its peers, which
+        raise instead of waiting. It waits for the GPU (the host reads the result),
+        so ``True`` raises ``ValueError`` while a CUDA graph is captured. Default:
+        on for CPU tensors (gloo), and where the environment sets
+        ``CUPY_MERGE_CHECK_RANKS=1`` or, for torch groups,
+        ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (left out while a graph is captured);
+        off otherwise.
 
     Returns
     -------
@@ -143,7 +157,10 @@ def merge_across_ranks(
     ValueError
         An unknown strategy or one of the other layout, heads that do not
         divide among the ranks, outputs of the wrong shape or sharing memory,
-        a stream of another device; before any collective.
+        a stream of another device; before any collective (with ``check_ranks``, a
+        rank refusing its arrays tells its peers with the check's gather first). With
+        ``check_ranks``: ranks called differently, or a peer that refused its
+        arguments, on every rank alike, before any of the merge's own collectives.
 
     Examples
     --------
@@ -161,7 +178,7 @@ def merge_across_ranks(
     (4, 2, 8)
     >>> dist.destroy_process_group()
     """
-    call = _strategies.resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, stream)
+    call = _strategies.resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, stream, check_ranks)
     with call.scope():
         result = _strategies.run(call)
     written = tuple(array for array in (out, out_lse) if array is not None)

@@ -179,15 +179,21 @@ def bind(
     out_lse: Any = None,
     lse_base: str | int = "e",
     sinks: Any = None,
+    check_ranks: Any = None,
 ) -> BoundAcrossRanks:
-    """``merge_across_ranks``'s arguments, checked and prepared once (what ``cupy_merge.bind`` calls)."""
-    call = _strategies.resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, None, bound=True)
+    """``merge_across_ranks``'s arguments, checked and prepared once (what ``cupy_merge.bind`` calls);
+    with ``check_ranks`` the ranks' calls are compared here, when every rank binds."""
+    call = _strategies.resolve(
+        v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, None, check_ranks, bound=True
+    )
 
     def rerun(out: Any, out_lse: Any) -> None:
         import torch
 
         # A launch records no autograd graph on the CPU either, as the GPU's kernels do not.
         with torch.no_grad():
-            _strategies.run(_strategies.resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, None))
+            _strategies.run(
+                _strategies.resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, None, check_ranks)
+            )
 
     return BoundAcrossRanks(call, rerun)

@@ -16,7 +16,7 @@ from .._arrays import HOST, ArrayView
 from .._checks import RANK_NAMES
 from .._operands import RankOperands, StateShape
 from ..merge_many import merge_states
-from . import _steps
+from . import _agreement, _steps
 from ._collectives import CupyNccl, TorchGroup
 from ._cost import FULL_HEAD_STRATEGIES, SHARDED_STRATEGIES, choose_strategy
 
@@ -51,10 +51,11 @@ class RankCall(NamedTuple):
 
 def resolve(
     v: Any, s: Any, group: Any, op: Any, shard_heads: Any, out: Any, out_lse: Any, lse_base: Any, sinks: Any, stream: Any,
-    *, bound: bool = False,
+    check_ranks: Any = None, *, bound: bool = False,
 ) -> RankCall:  # fmt: skip
     """Every check of ``merge_across_ranks`` (``bound``: of ``cupy_merge.bind`` of it), before any
-    collective; ``"auto"`` resolved."""
+    of its collectives; ``"auto"`` resolved. Where ``check_ranks`` asks (``_agreement.wanted``), the
+    ranks' calls are then compared, and a rank refusing its arrays tells its peers."""
     shard_heads = _options.flag(shard_heads, "shard_heads")
     allowed = SHARDED_STRATEGIES if shard_heads else FULL_HEAD_STRATEGIES
     if op != "auto" and op not in allowed:
@@ -64,7 +65,27 @@ def resolve(
         )
     lse_base_2 = _options.lse_base_flag(lse_base)
     adapter = _kind(v)
+    comm = TorchGroup(group) if adapter is _arrays.TORCH else CupyNccl(group, None)
+    checking = _agreement.wanted(check_ranks, adapter, v) and comm.world_size > 1  # one rank: nothing to compare
     arrays = RankOperands(v, s, out, out_lse, sinks)
+    try:
+        call = _checked(adapter, comm, arrays, op, shard_heads, lse_base_2, stream, bound)
+    except Exception:
+        device = _device_of(v)
+        if checking and device is not None:
+            _agreement.agree(comm, adapter, device, _agreement.refused(), None, check_ranks is not None)
+        raise
+    if checking:
+        mine = _agreement.header(call.state, lse_base_2, shard_heads, call.op, sinks, adapter)
+        _agreement.agree(comm, adapter, call.state.device, mine, call.stream, check_ranks is not None)
+    return call
+
+
+def _checked(
+    adapter: _arrays.Adapter, comm: Any, arrays: RankOperands, op: str, shard_heads: bool, lse_base_2: int,
+    stream: Any, bound: bool,
+) -> RankCall:  # fmt: skip
+    """This rank's own checks: its arrays, stream and strategy."""
     views = {}
     for field, obj in zip(arrays._fields, arrays):
         name = getattr(RANK_NAMES, field)
@@ -78,7 +99,6 @@ def resolve(
     specs = RankOperands(*(views[f].spec if f in views else None for f in arrays._fields))
     device = specs.v.device
     stream_ptr = _stream(stream, device)
-    comm = TorchGroup(group) if adapter is _arrays.TORCH else CupyNccl(group, None)
     state, heads = _checks.check_rank(specs, RANK_NAMES, comm.world_size, shard_heads)
     _addresses.check_rank_addresses(RankOperands(**{f: views.get(f) for f in arrays._fields}), RANK_NAMES)
     if adapter is _arrays.TORCH:
@@ -100,6 +120,17 @@ def resolve(
         )
     shards = comm.world_size if shard_heads else 1
     return RankCall(comm, adapter, arrays, views, op, shards, heads, lse_base_2, stream_ptr, state)
+
+
+def _device_of(v: Any) -> int | None:
+    """``v``'s device (:data:`HOST` for a CPU tensor), or None where it has none a collective could use."""
+    device = getattr(v, "device", None)
+    if getattr(device, "type", None) == "cpu":
+        return HOST
+    index = getattr(device, "index", None)  # a CUDA torch device
+    if index is None:
+        index = getattr(device, "id", None)  # a CuPy device
+    return index if isinstance(index, int) else None
 
 
 def _refuse_grad(arrays: RankOperands, bound: bool) -> None:
