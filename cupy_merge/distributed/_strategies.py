@@ -9,6 +9,7 @@ local merge of the exchanging strategies is the core N-way merge.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 from .. import _addresses, _arrays, _checks, _dispatch, _launch, _options, _tuning
@@ -73,7 +74,8 @@ def resolve(
     except Exception:
         device = _device_of(v)
         if checking and device is not None:
-            _agreement.agree(comm, adapter, device, _agreement.refused(), None, check_ranks is not None)
+            with contextlib.suppress(Exception):  # this rank's own error says more than a failed gather
+                _agreement.agree(comm, adapter, device, _agreement.refused(), None, check_ranks is not None)
         raise
     if checking:
         mine = _agreement.header(call.state, lse_base_2, shard_heads, call.op, sinks, adapter)
