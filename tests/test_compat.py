@@ -314,6 +314,22 @@ def test_flashinfer_lse_of_another_float_dtype_is_cast_like_flashinfer_does(core
     assert close(merged_v, want_v) and close(merged_s, want_s)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8])
+def test_flashinfer_merge_state_in_place_reads_a_byte_mask_as_its_cuda_kernel_does(core, dtype):
+    """FlashInfer's CUDA kernel reads a mask a byte a token, nonzero merging: a uint8 or int8 mask
+    is handed to the core as a bool view of the same bytes (the kernels test each byte != 0)."""
+    tokens, heads, dim = 6, 2, 8
+    v, v_other = randn(tokens, heads, dim), randn(tokens, heads, dim)
+    s, s_other = randn(tokens, heads), randn(tokens, heads)
+    mask = torch.tensor([0, 1, 2, 0, -1 if dtype == torch.int8 else 255, 0], dtype=dtype)
+    want_v, want_s = fi_merge_state_in_place(f64(v), f64(s), f64(v_other), f64(s_other), mask.numpy() != 0)
+    flashinfer.merge_state_in_place(v, s, v_other, s_other, mask)
+    (call,) = core.calls
+    flags = call.args["mask"]
+    assert flags.dtype == torch.bool and flags.data_ptr() == mask.data_ptr() and flags.shape == mask.shape
+    assert close(v, want_v) and close(s, want_s)
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_flashinfer_merge_state_in_place_writes_through_the_callers_arrays(core, masked):
     tokens, heads, dim = 9, 4, 8
@@ -607,8 +623,8 @@ def _bad_calls():
         (lambda: sglang.merge_state_v2(v, s, v, None), TypeError, r"^s_b: expected a CuPy array"),
         (lambda: flashinfer.merge_state_in_place(v, s.half(), v, s), TypeError,
          r"s: expected dtype float32 .*lose the update"),
-        (lambda: flashinfer.merge_state_in_place(v, s, v, s, torch.ones(7, dtype=torch.uint8)), TypeError,
-         r"mask: expected dtype bool \[seq_len\].*got uint8.*mask != 0"),
+        (lambda: flashinfer.merge_state_in_place(v, s, v, s, torch.ones(7, dtype=torch.int32)), TypeError,
+         r"mask: expected dtype bool, uint8 or int8 \[seq_len\].*got int32.*bytes one by one: pass mask != 0"),
         (lambda: flashinfer.merge_state_in_place(v, s, v, s, torch.ones(6, dtype=torch.bool)), ValueError,
          r"mask: expected shape \[seq_len\] = \(7,\) from v"),
         (lambda: flashinfer.merge_state_in_place(v, s, v, s.T), ValueError,
@@ -763,6 +779,14 @@ PEER_SIGNATURES = {
     sglang.merge_state_v2: [
         ("v_a", _REQUIRED), ("s_a", _REQUIRED), ("v_b", _REQUIRED), ("s_b", _REQUIRED),
         ("v_merged", None), ("s_merged", None),
+    ],
+    # vllm-project/vllm vllm/v1/attention/ops/merge_attn_states.py at 15a3fd47 (up to output_scale) and
+    # its Triton kernel's group-scale arguments: the core's own merge_attn_states is vLLM's.
+    cm.merge_attn_states: [
+        ("output", _REQUIRED), ("prefix_output", _REQUIRED), ("prefix_lse", _REQUIRED),
+        ("suffix_output", _REQUIRED), ("suffix_lse", _REQUIRED), ("output_lse", None),
+        ("prefill_tokens_with_context", None), ("output_scale", None), ("output_block_scale", None),
+        ("quant_group_size", None), ("quant_scale_ue8m0", False),
     ],
 }  # fmt: skip
 

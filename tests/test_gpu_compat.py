@@ -260,15 +260,19 @@ def test_flashinfer_merge_state_in_place_with_mask(rng):
         assert torch.equal(got_v[keep], v[keep]) and torch.equal(got_s[keep], s[keep])  # bit for bit
 
 
+@pytest.mark.parametrize("mask_dtype", ["bool", "uint8", "int8"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_flashinfer_merge_state_in_place_with_a_mask_of_cupy_or_torch(rng, backend):
+def test_flashinfer_merge_state_in_place_with_a_mask_of_cupy_or_torch(rng, backend, mask_dtype):
+    """A byte mask is read as FlashInfer's CUDA kernel reads it: nonzero bytes (2, 255, -1 too) merge."""
     v, v_other = (randn(rng, (33, 4, 64), "float32", backend) for _ in range(2))
     s, s_other = (randn(rng, (33, 4), backend=backend) for _ in range(2))
-    mask_host = rng.random(33) > 0.5
+    flags = rng.integers(-128, 128, 33) * (rng.random(33) > 0.5)
+    mask_host = flags != 0
     want_v, want_s = fi_merge_state_in_place(
         to_host(v), to_host(s), to_host(v_other), to_host(s_other), mask_host
     )
-    flashinfer.merge_state_in_place(v, s, v_other, s_other, device_array(mask_host, bool, backend))
+    given = mask_host if mask_dtype == "bool" else flags.astype(np.int8).view(mask_dtype)
+    flashinfer.merge_state_in_place(v, s, v_other, s_other, device_array(given, mask_dtype, backend))
     expect(v, want_v, VALUE_TOL["float32"], "v")
     expect(s, want_s, LSE_TOL, "s")
 

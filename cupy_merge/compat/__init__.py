@@ -139,6 +139,13 @@ def empty(like: Any, adapter: _arrays.Adapter, shape: tuple[int, ...], dtype: st
     return adapter.empty(tuple(shape), dtype, device_of(like), stream_pointer(stream))
 
 
+def bytes_as_bool(obj: Any) -> Any:
+    """A bool view of a 1-byte array (no copy): the kernels read a mask's bytes, nonzero merging."""
+    if is_torch(obj):
+        return obj.view(_arrays.torch_module().bool)
+    return obj.view("bool")
+
+
 def cast(obj: Any, dtype: str) -> Any:
     """A copy of ``obj`` as ``dtype`` (what a peer's ``.to(dtype)`` does)."""
     if is_torch(obj):

@@ -20,6 +20,7 @@ from .. import _ops
 from . import (
     INDEX_DTYPES,
     VALUE_DTYPES,
+    bytes_as_bool,
     cast,
     dtype_of,
     empty,
@@ -51,6 +52,8 @@ _VALUE_LAYOUTS = (_ops.VALUES, _ops.STACKED, _ops.ROWS)
 _LSE_LAYOUTS = (_ops.LSE, _ops.STACKED_LSE, _ops.ROW_LSE)
 #: Offset dtypes the peers cast to int32 themselves (a copy here too).
 _CASTABLE_OFFSETS = ("int16", "int8", "uint8", "uint16", "uint32")
+#: Mask dtypes read as FlashInfer's CUDA kernel reads a mask, a byte a token, nonzero merging (a bool view).
+_BYTE_FLAGS = ("uint8", "int8")
 
 
 @dataclass(frozen=True)
@@ -140,9 +143,12 @@ class PeerMerge:
         obj, _ = take(obj, arg.name)  # a mask
         expect_ndim(obj, 1, arg.name, arg.layout, "one flag a token")
         expect_shape(obj, (sizes["seq_len"],), arg.name, arg.layout, first.name, "one flag a token")
+        if dtype_of(obj) in _BYTE_FLAGS:
+            return bytes_as_bool(obj)
         if dtype_of(obj) != "bool":
             raise TypeError(
-                f"{arg.name}: expected dtype bool {arg.layout} (True merges the token), got {dtype_of(obj)}; {arg.note}"
+                f"{arg.name}: expected dtype bool, uint8 or int8 {arg.layout} (nonzero merges the token), "
+                f"got {dtype_of(obj)}; {arg.note}"
             )
         return obj
 

@@ -23,7 +23,8 @@ Accepted beyond FlashInfer: float32 values (FlashInfer: float16 and bfloat16 onl
 past 1024 threads a block), any strides with a contiguous last dimension (FlashInfer: contiguous
 only), torch tensors and CuPy arrays, a keyword-only ``stream=``. Refused where FlashInfer
 misbehaves: ``v_b`` of another dtype than ``v_a`` (FlashInfer reinterprets its bytes), a mask
-that is not bool (FlashInfer reads any dtype's bytes), a non-float32 ``s`` in
+wider than a byte (FlashInfer's CUDA kernel reads its bytes one by one; bool, uint8 and int8
+masks are read as it reads them, nonzero merging), a non-float32 ``s`` in
 :func:`merge_state_in_place` (FlashInfer updates a float32 copy and loses the update).
 """
 
@@ -56,8 +57,8 @@ _MERGE_STATE_IN_PLACE = _peer(
     Arg("s", "s_a", LSE, castable=False, note=(
         "; FlashInfer's merge_state_in_place would update a float32 copy of it and lose the update: keep the LSE "
         "in float32")),
-    Arg("s_other", "s_b", LSE), Arg("mask", "mask", ("seq_len",), note="FlashInfer reads any dtype's bytes as "
-                                                                        "flags: pass mask != 0"),
+    Arg("s_other", "s_b", LSE), Arg("mask", "mask", ("seq_len",), note="FlashInfer's CUDA kernel reads a wider "
+                                                                        "dtype's bytes one by one: pass mask != 0"),
     results=(),
 )  # fmt: skip
 _MERGE_STATES = _peer(
@@ -122,7 +123,8 @@ def merge_state(
     -----
     Calls ``cupy_merge.merge_state(v_a, s_a.T, v_b, s_b.T, out=V, out_lse=S.T, lse_base=2)``:
     views, no copy. Two empty states (both LSEs ``-inf``) give 0 and ``-inf`` (FlashInfer's main
-    branch; its releases up to 0.6.18rc7 give NaN); ``+inf`` is read as ``-inf`` (FlashInfer: NaN).
+    branch; its releases up to 0.6.18rc7 give NaN); ``+inf`` is read as ``-inf`` (FlashInfer's
+    CUDA kernel: values 0 and LSE NaN; its Triton kernels: NaN).
 
     Examples
     --------
@@ -156,9 +158,11 @@ def merge_state_in_place(
     s_other : torch.Tensor or cupy.ndarray
         Like ``s``; float16, bfloat16 or float64 are cast to a float32 copy, as FlashInfer does.
     mask : torch.Tensor or cupy.ndarray, optional
-        Bool ``[seq_len]``: tokens where it is False are neither read nor written (one CUDA graph
-        for batches where only some tokens have a second state). Other dtypes are refused
-        (FlashInfer reads any dtype's raw bytes): pass ``mask != 0``.
+        Bool, uint8 or int8 ``[seq_len]``: tokens where it is False (zero) are neither read nor
+        written (one CUDA graph for batches where only some tokens have a second state); a byte
+        mask is read as FlashInfer's CUDA kernel reads it, nonzero merging (a bool view, no
+        copy). Wider dtypes are refused (FlashInfer's CUDA kernel reads their bytes one by one):
+        pass ``mask != 0``.
     stream : Stream, optional
         Where to launch (cupy-merge's extension).
 
@@ -221,7 +225,10 @@ def merge_states(v: Array, s: Array, *, stream: Stream = None) -> tuple[Array, A
         (``-inf``), or with ``num_states == 0``, gets 0.
     S : torch.Tensor or cupy.ndarray
         ``[seq_len, num_heads]``, float32, base 2; ``-inf`` for such a token (FlashInfer's main
-        branch; its releases up to 0.6.18rc7 give the sentinel ``-5e4``).
+        branch; its releases up to 0.6.18rc7 give the sentinel ``-5e4``). With one state a token
+        that state is merged like any other, an empty one giving 0 and ``-inf``; FlashInfer's
+        kernel for fewer states than tokens copies it unchanged instead, an empty state's values
+        and a ``+inf`` LSE included.
 
     Raises
     ------
@@ -273,8 +280,9 @@ def variable_length_merge_states(
         ``[total_num_states, num_heads]`` (token-major), **base-2** log-sum-exp, float32
         (float16, bfloat16 or float64 are cast to a float32 copy, as FlashInfer does).
     indptr : torch.Tensor or cupy.ndarray
-        ``[seq_len + 1]`` on the device: non-decreasing offsets starting at 0; int32 or int64
-        (other integer dtypes are cast to an int32 copy, as FlashInfer does).
+        ``[seq_len + 1]`` on the device: non-decreasing offsets starting at 0; int32 or int64,
+        used as they are (FlashInfer casts every dtype with ``.to(torch.int32)``, wrapping int64
+        offsets past 2**31); narrower integers are cast to an int32 copy; floats are refused.
     check_indptr : bool, optional
         Copy ``indptr`` to the host and check it first (cupy-merge's extension: a synchronisation).
         False by default, as FlashInfer checks nothing: a token whose offsets are out of range then
@@ -288,7 +296,8 @@ def variable_length_merge_states(
         ``[seq_len, num_heads, head_dim]``, dtype of ``v``; a token with no rows gets 0.
     S : torch.Tensor or cupy.ndarray
         ``[seq_len, num_heads]``, float32, base 2; ``-inf`` for a token with no rows (FlashInfer's
-        Triton kernel: the sentinel ``-5e4``).
+        Triton kernel: the sentinel ``-5e4``, which its phantom starting state also gives a token
+        whose LSEs all lie below about ``-5e4``).
 
     Raises
     ------
