@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import inspect
 import operator
-import threading
 from typing import Any, NamedTuple
 
 import numpy
 
 from . import _array_rules, _arrays, _dispatch, _jax_launch, _options, _tuning
 from ._catalogue import NVFP4
-from ._jax_launch import _Config, _entries, _jax
+from ._jax_launch import _Config, _entries, _jax, remember
 from ._jax_transforms import (
     _backward_call,
     _batched,
@@ -26,12 +25,11 @@ from ._ops import MERGE_STATE_IN_PLACE, MERGE_STATES_VARLEN
 #: Options of the two-way family's optional operands, in the order they are passed.
 _TWO_OPTIONAL = ("mask", "sinks", "output_scale", "output_block_scale")
 _MANY_OPTIONAL = ("sinks", "output_scale", "output_block_scale")
-_lock = threading.Lock()
 
 
 # -- the entry points -----------------------------------------------------------------------------
 
-_jitted: dict[tuple, Any] = {}
+_jitted: dict[tuple, Any] = {}  # bounded, as every cache of the JAX integration (_jax_launch.CACHE_LIMIT)
 
 
 def _function(operation, options, tuning, fields: tuple[str, ...], in_place: bool, scales_aliased: bool):
@@ -41,15 +39,13 @@ def _function(operation, options, tuning, fields: tuple[str, ...], in_place: boo
     if function is None:
         layouts = _jax_launch.natural_orders(operation, fields)
         cfg = _Config(operation, options, tuning, fields, layouts, "ht", in_place, scales_aliased)
-        function = _jax().jax.jit(_differentiable(cfg))
-        with _lock:
-            function = _jitted.setdefault(key, function)
+        function = remember(_jitted, key, _jax().jax.jit(_differentiable(cfg)))
     return function
 
 
 def _clear_caches() -> None:
     """Forget every traced merge (for tests that change how launches are prepared)."""
-    with _lock:
+    with _jax_launch._lock:
         _entries.clear()
         _jitted.clear()
         _routes.clear()
@@ -164,11 +160,7 @@ def _route(operation: _dispatch.Operation, options: Any, operands: Any, in_place
         function = _function(operation, options, key[2], fields, in_place, scales_aliased)
         names = tuple(operation.names[index] for index in indices)
         scale = fields.index("output_scale") if "output_scale" in fields else -1
-        route = _Route(function, operator.itemgetter(*indices), required, names, scale)
-        with _lock:
-            if len(_routes) >= 4096:
-                _routes.clear()
-            _routes[key] = route
+        route = remember(_routes, key, _Route(function, operator.itemgetter(*indices), required, names, scale))
     return route
 
 
@@ -195,10 +187,7 @@ def _run(key: tuple | None, arrays: tuple, slow: Any) -> tuple:
     if route is None:
         route = slow()
         if key is not None:
-            with _lock:
-                if len(_quick) >= 4096:
-                    _quick.clear()
-                _quick[key] = route
+            remember(_quick, key, route)
     return _call(route, arrays)
 
 
@@ -289,9 +278,7 @@ def _apply_backward(operation: _dispatch.Operation, options: Any, operands: Back
         def backward(*arrays):
             return _backward_call(operation, options, tuning, fields, dict(zip(fields, arrays)))
 
-        function = _jax().jax.jit(backward)
-        with _lock:
-            function = _jitted.setdefault(key, function)
+        function = remember(_jitted, key, _jax().jax.jit(backward))
     grads = list(function(*(getattr(operands, field) for field in fields)))
     if operands.sinks is None:
         grads.append(None)  # grad_sinks

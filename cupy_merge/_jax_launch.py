@@ -144,7 +144,19 @@ class _Entry(NamedTuple):
     scratch: int = 0  # the last results are the launches' scratch, no result of the merge
 
 
+#: How many entries each of the JAX integration's caches keeps before it starts again: a serving
+#: loop passes a new prefill cut (a static option) every step, and each would otherwise stay for
+#: the process's life.
+CACHE_LIMIT = 4096
 _entries: dict[tuple, _Entry] = {}
+
+
+def remember(cache: dict, key: tuple, value: Any) -> Any:
+    """``cache[key]``, set to ``value`` where no other thread set it first; the cache emptied when full."""
+    with _lock:
+        if len(cache) >= CACHE_LIMIT:
+            cache.clear()
+        return cache.setdefault(key, value)
 
 
 def _dtype_of(dtype: Any) -> Any:
@@ -171,11 +183,7 @@ def _entry(cfg: _Config, avals: tuple, build: Any = None) -> _Entry:
     key = (cfg, avals)
     entry = _entries.get(key)
     if entry is None:
-        entry = (build or _build_entry)(cfg, avals)
-        with _lock:
-            if len(_entries) >= 4096:
-                _entries.clear()
-            _entries[key] = entry
+        entry = remember(_entries, key, (build or _build_entry)(cfg, avals))
     return entry
 
 

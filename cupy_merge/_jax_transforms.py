@@ -13,7 +13,7 @@ import numpy
 
 from . import _dispatch, _jax_batching, _options, _tuning
 from ._catalogue import FP8, NVFP4
-from ._jax_launch import _build_backward_entry, _Config, _Entry, _entry, _jax, natural_orders
+from ._jax_launch import CACHE_LIMIT, _build_backward_entry, _Config, _Entry, _entry, _jax, natural_orders
 from ._ops import MERGE_STATE_BACKWARD, MERGE_STATES_BACKWARD, MERGE_STATES_VARLEN_BACKWARD
 
 # -- the traced function, its batching rules and its derivative ----------------------------------
@@ -92,7 +92,7 @@ def _empty_results(cfg: _Config, entry: _Entry, arrays: tuple) -> tuple:
     return tuple(results)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=CACHE_LIMIT)
 def _batched(cfg: _Config):
     """The merge (or backward merge) of ``cfg`` with its batching rule (``jax.custom_batching.custom_vmap``)."""
     jax = _jax().jax
@@ -106,7 +106,7 @@ def _batched(cfg: _Config):
     return function
 
 
-@functools.cache
+@functools.lru_cache(maxsize=CACHE_LIMIT)
 def _differentiable(cfg: _Config):
     """:func:`_batched` with its derivative: ``jax.custom_vjp`` outside the ``custom_vmap`` (the
     order JAX requires), whose backward runs the merge's backward kernel (:func:`_vjp_backward`)
@@ -131,7 +131,7 @@ def _vjp_forward(cfg: _Config, *arrays: Any) -> tuple:
     return results, (arrays, tuple(results[:2]) if cfg.operation.many else None)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=CACHE_LIMIT)
 def _once_differentiable(cfg: _Config):
     """:func:`_batched` as the custom_vjp's forward and backward call it: a derivative of either would
     be a second derivative of the merge (``jax.grad`` of ``jax.grad``), refused clearly."""

@@ -163,10 +163,36 @@ def cache_folder() -> pathlib.Path:
 CACHE_FORMAT = 2
 
 
-def _cache_file(module: cat.Module, target: Target) -> pathlib.Path:
+def _family(module: cat.Module, target: Target) -> str:
+    """A digest of everything a module's binary depends on but the compiler's version."""
     key = [CACHE_FORMAT, _version.__version__, kernel_source(module.source), list(module.options),
            cat.module_instances(module), target.option]  # fmt: skip
-    return cache_folder() / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]}.json"
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+
+
+def _cache_file(module: cat.Module, target: Target) -> pathlib.Path:
+    """The entry of ``module`` compiled by this process's NVRTC (an upgrade compiles again, and two
+    environments of other CUDA versions sharing a folder keep an entry each)."""
+    major, minor = nvrtc_version()
+    return cache_folder() / f"{_family(module, target)}-nvrtc{major}_{minor}.json"
+
+
+def _entry_to_read(module: cat.Module, target: Target) -> pathlib.Path | None:
+    """This NVRTC's entry; where NVRTC is missing (a machine serving binaries compiled ahead with
+    ``--arch``), the newest entry of any NVRTC's. None if there is none."""
+    try:
+        names_file = _cache_file(module, target)
+    except NvrtcMissing:
+        entries = sorted(cache_folder().glob(f"{_family(module, target)}-nvrtc*.json"), key=_modified)
+        return entries[-1] if entries else None
+    return names_file if names_file.exists() else None
+
+
+def _modified(path: pathlib.Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed since it was listed
+        return 0.0
 
 
 def cached(module: cat.Module, target: Target) -> Compiled | None:
@@ -175,8 +201,8 @@ def cached(module: cat.Module, target: Target) -> Compiled | None:
     An entry that cannot be used (damaged, half written, or of another shape) is a miss too,
     logged on the ``cupy_merge`` logger: the caller compiles the module again and replaces it.
     """
-    names_file = _cache_file(module, target)
-    if not names_file.exists():
+    names_file = _entry_to_read(module, target)
+    if names_file is None:
         return None
     try:
         return _read_entry(names_file, cat.module_instances(module), target.ptx)

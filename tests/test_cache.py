@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import pytest
 
@@ -119,4 +120,28 @@ def test_the_key_holds_the_library_version_and_the_entry_format(cache, monkeypat
     monkeypatch.setenv("CUPY_MERGE_CACHE_DIR", str(cache))
     assert _kernels.cached(MODULE, SM_90) is not None
     monkeypatch.setattr(_kernels, "CACHE_FORMAT", _kernels.CACHE_FORMAT + 1)
+    assert _kernels.cached(MODULE, SM_90) is None
+
+
+def test_the_key_holds_nvrtcs_version_and_a_machine_without_nvrtc_reads_any(cache, monkeypatch):
+    """An entry of another NVRTC is compiled again by this one (an upgrade's code generation is
+    used, and environments of two CUDA versions sharing a folder keep one entry each); a serving
+    machine with no NVRTC, whose cache was filled ahead with --arch, reads the newest of any."""
+    _write_entry(_whole_entry())
+    assert _kernels.cached(MODULE, SM_90) is not None
+    major, minor = _kernels.nvrtc_version()
+    monkeypatch.setattr(_kernels, "nvrtc_version", lambda: (major, minor + 1))
+    assert _kernels.cached(MODULE, SM_90) is None
+    _write_entry(_whole_entry(b"the newer NVRTC's cubin"), b"the newer NVRTC's cubin")
+    assert _kernels.cached(MODULE, SM_90).binary == b"the newer NVRTC's cubin"
+
+    def missing():
+        raise _kernels.NvrtcMissing("no NVRTC here")
+
+    older = next(path for path in cache.glob(f"*-nvrtc{major}_{minor}.json"))
+    os.utime(older, (older.stat().st_atime, older.stat().st_mtime - 1000))
+    monkeypatch.setattr(_kernels, "nvrtc_version", missing)
+    assert _kernels.cached(MODULE, SM_90).binary == b"the newer NVRTC's cubin"
+    for path in cache.glob("*"):
+        path.unlink()
     assert _kernels.cached(MODULE, SM_90) is None

@@ -1424,3 +1424,20 @@ def test_vmap_with_values_shared_by_the_batch_merges_each_element_alone(numpy_ke
         want_v, want_s = reference.merge_state(_host(v_a[b]), _host(s_a[b]), _host(v_b), _host(s_b))
         _close(got_v[b], want_v)
         _close(got_s[b], want_s)
+
+
+def test_a_new_prefill_cut_every_step_leaves_every_cache_bounded(monkeypatch):
+    """The prefill cut is a static option: a serving loop passes a new one every step, and each made
+    a jitted function and three transform entries that stayed for the process's life."""
+    from cupy_merge import _jax_transforms
+
+    monkeypatch.setattr(_jax_launch, "CACHE_LIMIT", 64)
+    monkeypatch.setattr(_jax_entry, "_call", lambda route, arrays: None)  # the caches alone, no trace
+    _jax_entry._clear_caches()
+    x = jnp.zeros(1)
+    for cut in range(200):
+        cmj.merge_attn_states(x, x, x, x, prefill_tokens_with_context=cut)
+    assert 0 < len(_jax_entry._jitted) <= 64 and len(_jax_entry._routes) <= 64 and len(_jax_entry._quick) <= 64
+    for factory in (_jax_transforms._batched, _jax_transforms._differentiable, _jax_transforms._once_differentiable):
+        assert factory.cache_info().maxsize == 4096  # the limit when the module was imported
+    _jax_entry._clear_caches()
