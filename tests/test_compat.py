@@ -23,7 +23,7 @@ import pytest
 
 import cupy_merge as cm
 from cupy_merge import compat
-from cupy_merge.compat import flash_attn, flashinfer, sglang
+from cupy_merge.compat import flash_attn, flashinfer, sglang, xformers
 
 torch = pytest.importorskip("torch")
 
@@ -58,6 +58,13 @@ def merge_reference(v, s, base: float) -> tuple[np.ndarray, np.ndarray]:
     merged_v[nan] = np.nan
     merged_s[nan] = np.nan
     return merged_v, merged_s
+
+
+def xf_merge_attentions(attn_split, lse_split):
+    """xFormers ``merge_attentions``: attn ``[N, B, M, (G,) H, K]``, lse ``[N, B, (G,) H, M]``, natural log."""
+    lse = np.moveaxis(np.asarray(lse_split, dtype=np.float64), -1, 2)  # [N, B, M, (G,) H]
+    merged_v, merged_s = merge_reference(attn_split, lse, math.e)
+    return merged_v, np.moveaxis(merged_s, 1, -1)
 
 
 def fi_merge_state(v_a, s_a, v_b, s_b):
@@ -586,6 +593,67 @@ def test_flash_attn_takes_fa4_betas_older_name_for_the_batch_index(core):
     with pytest.raises(TypeError, match="^varlen_batch_idx: FlashAttention 4's older name of virtual_batch_idx"):
         flash_attn.flash_attn_combine(out_partial, lse_partial, None, None, None, None, index, varlen_batch_idx=index)
 
+# -- xFormers: the views the core gets -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("batch, queries, calls", [(1, 9, 1), (4, 1, 1), (3, 5, 3), (6, 2, 2)])
+def test_xformers_merges_folded_views_or_one_merge_per_batch_element(core, grouped, batch, queries, calls):
+    """B and M fold into the core's tokens where the strides allow (B == 1 or M == 1), else one core
+    merge per batch element or query position; G and H fold into its heads; nothing is copied."""
+    chunks, groups, heads, dim = 3, 2, 5, 8
+    attn = randn(chunks, batch, queries, groups, heads, dim, dtype=torch.bfloat16)
+    lse = randn(chunks, batch, groups, heads, queries)
+    if not grouped:
+        attn, lse = attn[:, :, :, 0], lse[:, :, 0]
+    out, out_lse = xformers.merge_attentions(attn, lse)
+    assert len(core.calls) == calls and all(call.name == "merge_states" for call in core.calls)
+    for call in core.calls:
+        assert call.args["v"].untyped_storage().data_ptr() == attn.untyped_storage().data_ptr()
+        assert call.args["s"].untyped_storage().data_ptr() == lse.untyped_storage().data_ptr()
+    want_v, want_s = xf_merge_attentions(f64(attn), f64(lse))
+    assert out.shape == attn.shape[1:] and out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert out_lse.shape == lse.shape[1:] and out_lse.dtype == torch.float32 and out_lse.is_contiguous()
+    assert close(out, want_v, 1e-2) and close(out_lse, want_s)
+
+
+def test_xformers_merges_each_head_group_where_groups_and_heads_do_not_fold(core):
+    attn = randn(2, 1, 4, 3, 3, 8).transpose(3, 4)  # heads outer to groups in memory: G and H do not fold
+    lse = randn(2, 1, 3, 3, 4)
+    out, out_lse = xformers.merge_attentions(attn, lse)
+    assert len(core.calls) == 3
+    want_v, want_s = xf_merge_attentions(f64(attn), f64(lse))
+    assert close(out, want_v) and close(out_lse, want_s)
+
+
+def test_xformers_reads_a_sequence_of_views_of_one_buffer_in_place_and_stacks_any_other(core):
+    stacked_attn, stacked_lse = randn(3, 1, 6, 4, 8), randn(3, 1, 4, 6)
+    want_v, want_s = xf_merge_attentions(f64(stacked_attn), f64(stacked_lse))
+    out, out_lse = xformers.merge_attentions(list(stacked_attn.unbind(0)), list(stacked_lse.unbind(0)))
+    assert core.calls[-1].args["v"].data_ptr() == stacked_attn.data_ptr()  # read in place
+    assert close(out, want_v) and close(out_lse, want_s)
+    one_attn, one_lse = stacked_attn[1], stacked_lse[1]  # the same chunk twice: xFormers' own test
+    out, out_lse = xformers.merge_attentions([one_attn, one_attn], [one_lse, one_lse], write_lse=True)
+    assert core.calls[-1].args["v"].stride()[0] == 0 and core.calls[-1].args["v"].data_ptr() == one_attn.data_ptr()
+    assert close(out, f64(one_attn)) and close(out_lse, f64(one_lse) + math.log(2))
+    apart = [randn(1, 6, 4, 8) for _ in range(3)]  # separate allocations: stacked, a copy
+    lses = [randn(1, 4, 6) for _ in range(3)]
+    out, out_lse = xformers.merge_attentions(apart, tuple(lses))
+    assert all(core.calls[-1].args["v"].data_ptr() != a.data_ptr() for a in apart)
+    want_v, want_s = xf_merge_attentions(np.stack([f64(a) for a in apart]), np.stack([f64(x) for x in lses]))
+    assert close(out, want_v) and close(out_lse, want_s)
+
+
+def test_xformers_output_dtype_write_lse_and_the_lses_dtype(core):
+    attn, lse = randn(2, 1, 3, 2, 8), randn(2, 1, 2, 3)
+    out, out_lse = xformers.merge_attentions(attn, lse, write_lse=False, output_dtype=torch.float16)
+    assert out.dtype == torch.float16 and out_lse is None
+    out, out_lse = xformers.merge_attentions(attn, lse.bfloat16(), output_dtype="bfloat16")
+    assert out.dtype == torch.bfloat16 and out_lse.dtype == torch.bfloat16  # xFormers: lse_split's dtype
+    want_v, want_s = xf_merge_attentions(f64(attn), f64(lse.bfloat16()))
+    assert close(out, want_v, 1e-2) and close(out_lse, want_s, 1e-2)
+
+
 # -- argument checks in the peers' words (before the core is reached) -------------------------------
 
 
@@ -599,6 +667,7 @@ def _bad_calls():
     strided = randn(7, 2, 32, dtype=torch.float16)[..., ::2]
     fa_v, fa_s = randn(3, 2, 5, 4, 8), randn(3, 2, 4, 5).transpose(-1, -2)
     fa_varlen_v, fa_varlen_s = randn(3, 9, 4, 8), randn(3, 4, 9).transpose(-1, -2)
+    xf_v, xf_s = randn(3, 1, 5, 2, 4, 8), randn(3, 1, 2, 4, 5)
     i32 = torch.int32
     return [
         # FlashInfer
@@ -694,6 +763,27 @@ def _bad_calls():
          NotImplementedError, r"num_splits_dynamic_ptr: per-batch split counts on the device are not supported"),
         (lambda: flash_attn.flash_attn_combine(fa_v, fa_s, semaphore_to_reset=torch.zeros(1, dtype=i32)),
          NotImplementedError, r"semaphore_to_reset: "),
+        # xFormers
+        (lambda: xformers.merge_attentions(v, s), ValueError,
+         r"attn_split: expected a 6-D array \[num_chunks, B, M, G, H, Kq\] or a 5-D array .*got shape \(7, 2, 16\)"),
+        (lambda: xformers.merge_attentions(xf_v, xf_s[:, :, 0]), ValueError,
+         r"lse_split: expected a 5-D array \[num_chunks, B, \(G,\) H, M\]"),
+        (lambda: xformers.merge_attentions(xf_v, xf_s.transpose(-1, -2)), ValueError,
+         r"lse_split: expected shape \[num_chunks, B, \(G,\) H, M\] = \(3, 1, 2, 4, 5\) from attn_split"),
+        (lambda: xformers.merge_attentions(xf_v.int(), xf_s), TypeError,
+         r"attn_split: expected dtype float32, float16 or bfloat16, got int32"),
+        (lambda: xformers.merge_attentions(xf_v, xf_s.int()), TypeError, r"lse_split: expected dtype float32"),
+        (lambda: xformers.merge_attentions([], []), ValueError,
+         r"attn_split: expected at least one chunk \[B, M, \(G,\) H, Kq\], got an empty sequence"),
+        (lambda: xformers.merge_attentions([xf_v[0], xf_v[1, :, :4]], list(xf_s)), ValueError,
+         r"attn_split\[1\]: expected the shape of attn_split\[0\], \(1, 5, 2, 4, 8\), got \(1, 4, 2, 4, 8\)"),
+        (lambda: xformers.merge_attentions([xf_v[0], xf_v[1].half()], list(xf_s)), TypeError,
+         r"attn_split\[1\]: expected the dtype of attn_split\[0\], float32, got float16"),
+        (lambda: xformers.merge_attentions(list(xf_v), [xf_s[0], None]), TypeError,
+         r"^lse_split\[1\]: expected a CuPy array, a torch CUDA tensor"),
+        (lambda: xformers.merge_attentions(xf_v, xf_s, write_lse=None), TypeError, r"write_lse: expected True or False"),
+        (lambda: xformers.merge_attentions(xf_v, xf_s, output_dtype=torch.int8), TypeError,
+         r"output_dtype: expected float32, float16 or bfloat16, got torch.int8"),
     ]  # fmt: skip
 
 
@@ -711,6 +801,7 @@ def test_bad_arguments_are_refused_in_the_peers_words_before_the_core_is_reached
         (lambda t: flash_attn.flash_attn_combine(t(3, 2, 4, 2, 8), t(3, 2, 4, 2)), "out_partial"),
         (lambda t: sglang.merge_state_v2(t(4, 2, 8), t(4, 2), t(4, 2, 8), t(4, 2)), "v_a"),
         (lambda t: flashinfer.merge_states(t(4, 3, 2, 8), t(4, 3, 2)), "v"),
+        (lambda t: xformers.merge_attentions([t(1, 4, 2, 8)], [t(1, 2, 4)]), r"attn_split\[0\]"),
     ],
 )
 def test_host_tensors_are_refused_in_the_peers_words(call, message):
@@ -780,6 +871,11 @@ PEER_SIGNATURES = {
         ("v_a", _REQUIRED), ("s_a", _REQUIRED), ("v_b", _REQUIRED), ("s_b", _REQUIRED),
         ("v_merged", None), ("s_merged", None),
     ],
+    # facebookresearch/xformers xformers/ops/fmha/__init__.py, merge_attentions, at bed3978b (the last
+    # version before it re-exports mslk's).
+    xformers.merge_attentions: [
+        ("attn_split", _REQUIRED), ("lse_split", _REQUIRED), ("write_lse", True), ("output_dtype", None),
+    ],
     # vllm-project/vllm vllm/v1/attention/ops/merge_attn_states.py at 15a3fd47 (up to output_scale) and
     # its Triton kernel's group-scale arguments: the core's own merge_attn_states is vLLM's.
     cm.merge_attn_states: [
@@ -834,6 +930,24 @@ def test_a_drop_in_compiles_whole_the_first_time_its_dtype_is_met(dtype, monkeyp
         assert merged_s.stride() == (3, 1)  # FlashInfer's C-contiguous [seq_len, num_heads]
 
 
+@pytest.mark.parametrize("as_list", [False, True])
+def test_xformers_compiles_whole_stacked_or_a_sequence_of_chunks(as_list):
+    """A sequence of chunks is looked at by address to read it in place; a traced tensor has none,
+    so under torch.compile it is stacked (no graph break)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cupy_merge import torch_ops
+
+    torch_ops.ops()
+    with FakeTensorMode():
+        attn = torch.empty(3, 1, 5, 4, 16, device="cuda", dtype=torch.bfloat16)  # B == 1: one merge
+        lse = torch.empty(3, 1, 4, 5, device="cuda")
+        args = (list(attn.unbind(0)), list(lse.unbind(0))) if as_list else (attn, lse)
+        targets, (out, out_lse) = _captured(lambda a, s: xformers.merge_attentions(a, s), *args)
+        assert "cupy_merge.merge_states_out.default" in targets
+        assert out.shape == (1, 5, 4, 16) and out.dtype == torch.bfloat16 and out_lse.shape == (1, 4, 5)
+
+
 def test_fold_compiles_whole_at_a_storage_offset():
     """compat.fold asked for the tensor's storage offset, which Dynamo cannot put in a graph."""
     base = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 3, 4, 5)
@@ -855,6 +969,8 @@ def test_fold_compiles_whole_at_a_storage_offset():
         (lambda r: sglang.merge_state_v2(r(7, 2, 8, grad=False), r(7, 2, grad=False), r(7, 2, 8), r(7, 2, grad=False)),
          "v_b", "merge_state"),
         (lambda r: flash_attn.flash_attn_combine(r(3, 7, 2, 8, grad=False), r(3, 7, 2)), "lse_partial", "merge_states"),
+        (lambda r: xformers.merge_attentions([r(1, 7, 2, 8), r(1, 7, 2, 8, grad=False)], [r(1, 2, 7, grad=False)] * 2),
+         "attn_split", "merge_states"),
     ],
 )  # fmt: skip
 def test_a_drop_in_refuses_an_input_that_requires_grad_by_its_name(core, call, name, core_merge):

@@ -11,7 +11,10 @@ Adapted from (``/work/notes/peers.md``, sections 1.7, 2.3 and 3.3):
   fp16 and bf16, 10 % ``+inf`` in each LSE never at the same place, atol 1e-3, rtol 1e-2 for bf16);
 * FlashAttention ``test_flash_attn_combine`` / ``_varlen`` / ``_virtual_batch_idx`` (its lists,
   sampled, batch 5 x 16 heads and 3 x 8; its non-contiguous partials, ``-inf`` splits, and its
-  tolerance: LSE 1e-5, values within twice the rounding of the reference to the output dtype).
+  tolerance: LSE 1e-5, values within twice the rounding of the reference to the output dtype);
+* xFormers ``tests/test_fmha_merge_attentions.py`` (``test_merge_attentions_against_ref``: 16 chunks,
+  12 x 137 queries, 8 heads, 128, float32, 1e-4; ``_nobias``: one chunk twice, stacked or listed,
+  with and without head groups and the LSE).
 
 Outputs the API takes are poisoned with NaN first. torch tensors (the peers' kind) and CuPy arrays.
 Sizes are kept moderate: the file runs in well under a minute on an H200 once kernels are compiled.
@@ -29,10 +32,11 @@ from test_compat import (
     fi_merge_states,
     fi_variable_length_merge_states,
     sgl_merge_state_v2,
+    xf_merge_attentions,
 )
 
 import cupy_merge as cm
-from cupy_merge.compat import flash_attn, flashinfer, permute, sglang
+from cupy_merge.compat import flash_attn, flashinfer, permute, sglang, xformers
 
 pytestmark = pytest.mark.gpu
 
@@ -592,3 +596,58 @@ def test_flash_attn_combine_virtual_batch_idx(rng, dtype, num_splits, seqlen, d)
                                              seqused=seqused, virtual_batch_idx=perm)  # fmt: skip
     want_v, want_s = fa_combine(to_host(out_partial), to_host(lse_partial))
     fa_check(out, lse, want_v, want_s, dtype)  # a bijection: the combine of every batch element
+
+
+# -- xFormers: its tests' cases ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("grouped", [True, False])
+def test_xformers_merge_attentions_against_its_reference_case(rng, backend, grouped):
+    """xFormers' test_merge_attentions_against_ref: B = 12 and M = 137 do not fold into one token
+    axis, so this is one core merge per batch element; a tenth of the chunks' LSEs are -inf."""
+    split_k, batch, queries, groups, heads, dim = 16, 12, 137, 2 if grouped else 1, 8, 128
+    attn = randn(rng, (split_k, batch, queries, groups, heads, dim), backend=backend)
+    lse = randn(rng, (split_k, batch, groups, heads, queries), backend=backend)
+    set_where(lse, rng.random(to_host(lse).shape) < 0.1, -INF)
+    if not grouped:
+        attn, lse = attn[:, :, :, 0], lse[:, :, 0]
+    out, out_lse = xformers.merge_attentions(attn, lse)
+    assert_kind(out, backend)
+    assert contiguous(out) and contiguous(out_lse)
+    want_v, want_s = xf_merge_attentions(to_host(attn), to_host(lse))
+    expect(out, want_v, (1e-4, 1e-4), "attn")
+    expect(out_lse, want_s, (1e-4, 1e-4), "lse")
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("groups", [None, 7, 1])
+@pytest.mark.parametrize("write_lse", [True, False])
+def test_xformers_one_chunk_merged_with_itself_is_itself(rng, stacked, groups, write_lse):
+    """xFormers' test_merge_attentions_nobias: [out1, out1] gives out1 and lse1 + log 2 (bfloat16)."""
+    batch, queries, heads, dim = 13, 3, 11, 128
+    shape = (batch, queries, heads, dim) if groups is None else (batch, queries, groups, heads, dim)
+    lse_shape = (batch, heads, queries) if groups is None else (batch, groups, heads, queries)
+    out1 = randn(rng, shape, "bfloat16")
+    lse1 = randn(rng, lse_shape)
+    chunks, lses = [out1, out1], [lse1, lse1]
+    if stacked:
+        chunks, lses = torch.stack(chunks), torch.stack(lses)
+    out, lse = xformers.merge_attentions(chunks, lses, write_lse=write_lse)
+    assert out.shape == out1.shape and out.dtype == torch.bfloat16
+    expect(out, to_host(out1), (1e-3, 1e-2), "attn")
+    if write_lse:
+        expect(lse, to_host(lse1) + np.log(2), LSE_TOL, "lse")
+    else:
+        assert lse is None
+
+
+def test_xformers_chunks_of_separate_buffers_and_the_output_dtype(rng):
+    """A decode step's chunks, each its own tensor (stacked inside), merged to bfloat16."""
+    chunks = [randn(rng, (1, 128, 2, 8, 128)) for _ in range(10)]
+    lses = [randn(rng, (1, 2, 8, 128)) for _ in range(10)]
+    out, lse = xformers.merge_attentions(chunks, lses, output_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    want_v, want_s = xf_merge_attentions(np.stack([to_host(c) for c in chunks]), np.stack([to_host(s) for s in lses]))
+    expect(out, want_v, VALUE_TOL["bfloat16"], "attn")
+    expect(lse, want_s, LSE_TOL, "lse")

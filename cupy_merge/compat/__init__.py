@@ -13,12 +13,14 @@ operand and axes in the peer's names) and all of that is derived from it.
 * :mod:`cupy_merge.compat.sglang`: SGLang's ``merge_state_v2``; LSE token-major
   ``[seq_len, num_heads]``, natural log;
 * :mod:`cupy_merge.compat.flash_attn`: FlashAttention's ``flash_attn_combine`` (FA4's signature,
-  a superset of FA3's); split-major partials, LSE ``[..., seqlen, num_heads]``, natural log.
+  a superset of FA3's); split-major partials, LSE ``[..., seqlen, num_heads]``, natural log;
+* :mod:`cupy_merge.compat.xformers`: xFormers' ``fmha.merge_attentions``; chunk-major partials
+  ``[num_chunks, B, M, (G,) H, Kq]`` (or a sequence of chunks), LSE ``[..., (G,) H, M]``, natural log.
 
 vLLM's ``merge_attn_states`` is :func:`cupy_merge.merge_attn_states` itself. Results come back
 in the caller's array kind (torch in, torch out; CuPy in, CuPy out; other DLPack producers get
 CuPy). JAX arrays are refused: these functions write into arrays they allocate. The porting
-table is in ``docs/porting.rst``. The public names are the three modules; the helpers
+table is in ``docs/porting.rst``. The public names are the four modules; the helpers
 defined here (layout checks in the peers' words, views, allocation) serve them.
 
 >>> from cupy_merge.compat import flashinfer                  # doctest: +SKIP
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
+
+import cupy_merge as _cm
 
 from .. import _arrays
 
@@ -151,6 +155,40 @@ def cast(obj: Any, dtype: str) -> Any:
     if is_torch(obj):
         return obj.to(getattr(_arrays.torch_module(), dtype))
     return obj.astype(dtype)
+
+
+# -- the core merges on the peers' batched layouts ----------------------------------------------
+
+
+def merge_batched(values: Any, lses: Any, out: Any, lse_store: Any, stream: Any) -> None:
+    """The N-way merge of ``values`` [S, B, L, H, D] and ``lses`` [S, B, L, H] (states S, batch B, rows L)
+    into ``out`` [B, L, H, D] and ``lse_store`` [B, H, L]: one core merge where B and L fold into one
+    token axis in every array, else one per batch element (or per row position, where there are
+    fewer of them). Views, no copy."""
+    _, batch_size, seqlen, _, _ = shape_of(values)
+    lse = permute(lse_store, 0, 2, 1)
+    folded = (fold(values, 1), fold(lses, 1), fold(out, 0), fold(lse, 0))
+    if all(view is not None for view in folded):
+        values_rows, lses_rows, out_rows, lse_rows = folded
+        _cm.merge_states(
+            values_rows,
+            permute(lses_rows, 0, 2, 1),
+            out=out_rows,
+            out_lse=permute(lse_rows, 1, 0),
+            stream=stream,
+        )
+    elif batch_size <= seqlen:
+        for b in range(batch_size):
+            _cm.merge_states(
+                values[:, b], permute(lses[:, b], 0, 2, 1), out=out[b], out_lse=lse_store[b], stream=stream
+            )
+    else:
+        for row in range(seqlen):
+            _cm.merge_states(
+                values[:, :, row], permute(lses[:, :, row], 0, 2, 1),
+                out=out[:, row], out_lse=permute(lse_store[:, :, row], 1, 0), stream=stream,
+            )  # fmt: skip
+
 
 
 # -- checks in the peer's words -------------------------------------------------------------------
@@ -294,6 +332,6 @@ def expect_flag(value: Any, name: str, none: bool = False) -> None:
 
 
 # The modules use the helpers above.
-from . import flash_attn, flashinfer, sglang
+from . import flash_attn, flashinfer, sglang, xformers
 
-__all__ = ["flash_attn", "flashinfer", "sglang"]
+__all__ = ["flash_attn", "flashinfer", "sglang", "xformers"]

@@ -43,9 +43,9 @@ from . import (
     expect_shape,
     expect_unit_last_stride,
     expect_values,
-    fold,
     index_array,
     lse_input,
+    merge_batched,
     permute,
     refuse_grad,
     shape_of,
@@ -247,38 +247,9 @@ def flash_attn_combine(
 
     _, batch_size, seqlen, num_heads, _ = shape
     lse_store = empty(out_partial, adapter, (batch_size, num_heads, seqlen), "float32", stream)
-    _combine_batched(out_partial, lse_partial, out, lse_store, stream)
+    merge_batched(out_partial, lse_partial, out, lse_store, stream)
     # [batch_size, seqlen, num_heads] with FlashAttention's strides (num_heads * seqlen, 1, seqlen)
     return out, (permute(lse_store, 0, 2, 1) if return_lse else None)
-
-
-def _combine_batched(values: Any, lses: Any, out: Any, lse_store: Any, stream: Stream) -> None:
-    """``values`` [S, B, L, H, D] and ``lses`` [S, B, L, H] into ``out`` [B, L, H, D] and ``lse_store``
-    [B, H, L]: one core merge where B and L fold into one token axis in every array, else one per
-    batch element (or per row position, where there are fewer of them)."""
-    _, batch_size, seqlen, _, _ = shape_of(values)
-    lse = permute(lse_store, 0, 2, 1)
-    folded = (fold(values, 1), fold(lses, 1), fold(out, 0), fold(lse, 0))
-    if all(view is not None for view in folded):
-        values_rows, lses_rows, out_rows, lse_rows = folded
-        _cm.merge_states(
-            values_rows,
-            permute(lses_rows, 0, 2, 1),
-            out=out_rows,
-            out_lse=permute(lse_rows, 1, 0),
-            stream=stream,
-        )
-    elif batch_size <= seqlen:
-        for b in range(batch_size):
-            _cm.merge_states(
-                values[:, b], permute(lses[:, b], 0, 2, 1), out=out[b], out_lse=lse_store[b], stream=stream
-            )
-    else:
-        for row in range(seqlen):
-            _cm.merge_states(
-                values[:, :, row], permute(lses[:, :, row], 0, 2, 1),
-                out=out[:, row], out_lse=permute(lse_store[:, :, row], 1, 0), stream=stream,
-            )  # fmt: skip
 
 
 def _check_batch_arrays(
