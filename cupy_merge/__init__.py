@@ -14,7 +14,10 @@ import sys as _sys
 from ._version import __version__
 
 #: What to install when CuPy is missing, in one line.
-CUPY_HINT = "cupy_merge needs CuPy: pip install 'cupy-merge[cu12]' (CUDA 12) or 'cupy-merge[cu13]' (CUDA 13)"
+CUPY_HINT = (
+    "cupy_merge needs CuPy: pip install 'cupy-cuda12x>=14' nvidia-cuda-nvrtc-cu12 (CUDA 12) or 'cupy-cuda13x>=14' "
+    "'nvidia-cuda-nvrtc>=13,<14' (CUDA 13); from a checkout, pip install -e '.[cu12]' or '.[cu13]'"
+)
 
 try:
     import cupy  # noqa: F401

@@ -17,8 +17,8 @@ from ._operands import BackwardOperands
 
 #: What to install when JAX is missing.
 JAX_HINT = (
-    "cupy_merge.jax needs JAX 0.6.1 or newer with its CUDA plugin: pip install 'cupy-merge[jax-cuda12]' "
-    "(or 'cupy-merge[jax-cuda13]')"
+    "cupy_merge.jax needs JAX 0.6.1 or newer with its CUDA plugin: pip install 'jax[cuda12]>=0.6.1' "
+    "(or 'jax[cuda13]>=0.6.1')"
 )
 #: DLPack device type of CUDA memory (the callback launches only on it).
 _DLPACK_CUDA = 2

@@ -39,7 +39,7 @@ _log = logging.getLogger("cupy_merge")
 #: NVRTC could not be loaded: what to install, in one line.
 NVRTC_HINT = (
     "NVRTC (libnvrtc) could not be loaded: install the CUDA runtime compiler wheel of your CUDA major, "
-    "pip install 'cupy-merge[cu12]' (nvidia-cuda-nvrtc-cu12) or 'cupy-merge[cu13]' (nvidia-cuda-nvrtc)"
+    "pip install nvidia-cuda-nvrtc-cu12 (CUDA 12) or 'nvidia-cuda-nvrtc>=13,<14' (CUDA 13)"
 )
 
 

@@ -15,3 +15,6 @@ html_theme = "furo"
 html_title = f"cupy-merge {version}"
 html_static_path = ["_static"]
 html_css_files = ["wide.css"]
+
+# Every cross-reference must resolve: CI builds with -W, so a dangling one fails it.
+nitpicky = True

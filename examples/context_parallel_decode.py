@@ -10,11 +10,15 @@ heads, and one all-reduce sums the projected parts.
 
 import math
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 
 from cupy_merge.distributed import merge_across_ranks
+
+if "RANK" not in os.environ:
+    sys.exit("run it under torchrun on two GPUs: torchrun --nproc-per-node=2 examples/context_parallel_decode.py")
 
 
 def attention_with_lse(q, k, v):

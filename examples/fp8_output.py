@@ -2,8 +2,14 @@
 per-tensor scale, and DeepGEMM-style per-group scales (128 elements, UE8M0 powers of two).
 Checked against cupy_merge's float64 reference of merge-then-quantise."""
 
+import sys
+
 import numpy as np
 import torch
+
+if not torch.cuda.is_available():
+    print("skipped: needs an NVIDIA GPU and a CUDA build of torch")
+    sys.exit(0)
 
 import cupy_merge as cm
 from cupy_merge import reference

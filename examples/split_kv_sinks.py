@@ -8,9 +8,22 @@ split; applying it in none drops it: it enters once, where the splits' states me
 
 import itertools
 import math
+import sys
 
 import cupy
 import numpy as np
+
+
+def _has_gpu() -> bool:
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except cupy.cuda.runtime.CUDARuntimeError:  # no driver
+        return False
+
+
+if not _has_gpu():
+    print("skipped: needs an NVIDIA GPU")
+    sys.exit(0)
 
 import cupy_merge as cm
 

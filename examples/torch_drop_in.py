@@ -1,7 +1,13 @@
 """cupy_merge as a drop-in for vLLM's merge_attn_states in PyTorch code: same signature, no copies,
 torch's current stream, and capturable in a CUDA graph."""
 
+import sys
+
 import torch
+
+if not torch.cuda.is_available():
+    print("skipped: needs an NVIDIA GPU and a CUDA build of torch")
+    sys.exit(0)
 
 import cupy_merge as cm
 

@@ -97,7 +97,8 @@ def test_without_cupy_the_import_error_says_which_extra_to_install():
     )
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1] == (
-        "ImportError: cupy_merge needs CuPy: pip install 'cupy-merge[cu12]' (CUDA 12) or 'cupy-merge[cu13]' (CUDA 13)"
+        "ImportError: cupy_merge needs CuPy: pip install 'cupy-cuda12x>=14' nvidia-cuda-nvrtc-cu12 (CUDA 12) or "
+        "'cupy-cuda13x>=14' 'nvidia-cuda-nvrtc>=13,<14' (CUDA 13); from a checkout, pip install -e '.[cu12]' or '.[cu13]'"
     )
 
 
@@ -113,7 +114,7 @@ def test_without_cupy_the_command_line_still_answers_info():
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"cupy-merge {__version__}, Python ")
-    assert "CuPy is not installed: pip install 'cupy-merge[cu12]'" in result.stdout
+    assert "CuPy is not installed: pip install 'cupy-cuda12x>=14' nvidia-cuda-nvrtc-cu12 (CUDA 12)" in result.stdout
 
 
 def test_the_benchmark_names_its_own_command_in_its_usage():

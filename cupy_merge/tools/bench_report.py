@@ -173,7 +173,7 @@ def plot(rows: list[dict], env: dict, path: str) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed (pip install 'cupy-merge[bench]'): no plot", file=sys.stderr)
+        print("matplotlib is not installed (pip install matplotlib): no plot", file=sys.stderr)
         return False
     with_fi = [r for r in rows if r.get("fi_over_cm")]
     fig, axes = plt.subplots(1, 2 if with_fi else 1, figsize=(13 if with_fi else 8, 5), squeeze=False)

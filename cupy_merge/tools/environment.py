@@ -13,7 +13,10 @@ import sys
 from .._version import __version__
 
 #: What each missing piece needs, in one line.
-CUPY_MISSING = "CuPy is not installed: pip install 'cupy-merge[cu12]' (CUDA 12) or 'cupy-merge[cu13]' (CUDA 13)"
+CUPY_MISSING = (
+    "CuPy is not installed: pip install 'cupy-cuda12x>=14' nvidia-cuda-nvrtc-cu12 (CUDA 12) or 'cupy-cuda13x>=14' "
+    "'nvidia-cuda-nvrtc>=13,<14' (CUDA 13); from a checkout, pip install -e '.[cu12]' or '.[cu13]'"
+)
 
 
 class Missing(Exception):

@@ -159,4 +159,13 @@ def host_cost_table(
 
 
 if __name__ == "__main__":
-    host_cost_table()
+    import sys
+
+    import torch
+
+    if len(sys.argv) > 1:
+        sys.exit("usage: python -m cupy_merge.tools.torch_host_cost (no options; on a machine with an NVIDIA GPU)")
+    if not torch.cuda.is_available():
+        print("benchmark skipped: this torch has no CUDA device")
+    else:
+        host_cost_table()
