@@ -477,6 +477,26 @@ def test_sglang_merge_state_v2_writes_given_outputs_and_in_place(core):
     assert close(v_a, want_v) and close(s_a, want_s)
 
 
+def test_sglang_srt_merge_state_is_merge_state_v2_under_its_names(core):
+    """sglang.srt.layers.attention.merge_state.merge_state, called by keyword as SGLang's serving code
+    may: natural log, token-major, the given output written in place."""
+    prefix, suffix = randn(6, 3, 16, dtype=torch.bfloat16), randn(6, 3, 16, dtype=torch.bfloat16)
+    p_lse, s_lse = randn(6, 3), randn(6, 3)
+    want_v, want_s = sgl_merge_state_v2(f64(prefix), f64(p_lse), f64(suffix), f64(s_lse))
+    output, output_lse = sglang.merge_state(prefix_output=prefix, prefix_lse=p_lse, suffix_output=suffix,
+                                            suffix_lse=s_lse)  # fmt: skip
+    (call,) = core.calls
+    assert call.name == "merge_state" and call.args["lse_base"] == "e" and call.args["v_a"] is prefix
+    assert same_view(call.args["s_a"], p_lse.T) and same_view(call.args["out_lse"], output_lse.T)
+    assert close(output, want_v, 1e-2) and close(output_lse, want_s)
+    got = sglang.merge_state(prefix, p_lse, suffix, s_lse, output=prefix)
+    assert got[0] is prefix and close(prefix, want_v, 1e-2)
+    with pytest.raises(ValueError, match=r"^prefix_lse: expected shape \[seq_len, num_heads\] = \(6, 3\) from "):
+        sglang.merge_state(prefix, p_lse.T.contiguous()[:, :5], suffix, s_lse)
+    with pytest.raises(TypeError, match=r"^suffix_output: expected the dtype of prefix_output"):
+        sglang.merge_state(prefix, p_lse, suffix.float(), s_lse)
+
+
 def test_sglang_v1_base_2_is_lse_base_2(core):
     v, s = randn(4, 2, 8), randn(4, 2)
     t = randn(4, 2)
@@ -870,6 +890,11 @@ PEER_SIGNATURES = {
     sglang.merge_state_v2: [
         ("v_a", _REQUIRED), ("s_a", _REQUIRED), ("v_b", _REQUIRED), ("s_b", _REQUIRED),
         ("v_merged", None), ("s_merged", None),
+    ],
+    # sgl-project/sglang python/sglang/srt/layers/attention/merge_state.py at 1f739321.
+    sglang.merge_state: [
+        ("prefix_output", _REQUIRED), ("prefix_lse", _REQUIRED), ("suffix_output", _REQUIRED),
+        ("suffix_lse", _REQUIRED), ("output", None), ("output_lse", None),
     ],
     # facebookresearch/xformers xformers/ops/fmha/__init__.py, merge_attentions, at bed3978b (the last
     # version before it re-exports mslk's).

@@ -403,6 +403,23 @@ def test_sglang_merge_state_v2_grid(rng, dtype, head_size, num_tokens, num_heads
     expect(s_merged, want_s, LSE_TOL, "s_merged, float32")
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sglang_srt_merge_state_by_its_names(rng, dtype):
+    """sglang.srt's merge_state (its serving code's name for merge_state_v2), by keyword, poisoned outputs."""
+    num_tokens, num_heads, head_size = 613, 32, 128
+    prefix, suffix = (randn(rng, (num_tokens, num_heads, head_size), dtype) for _ in range(2))
+    p_lse, s_lse = sgl_lses(rng, num_tokens, num_heads)
+    output, output_lse = torch.empty_like(prefix), torch.empty(num_tokens, num_heads, device="cuda")
+    fill_nan(output)
+    fill_nan(output_lse)
+    got = sglang.merge_state(prefix_output=prefix, prefix_lse=p_lse, suffix_output=suffix, suffix_lse=s_lse,
+                             output=output, output_lse=output_lse)  # fmt: skip
+    assert got[0] is output and got[1] is output_lse
+    want_v, want_s = sgl_merge_state_v2(to_host(prefix), to_host(p_lse), to_host(suffix), to_host(s_lse))
+    expect(output, want_v, VALUE_TOL[dtype], "output")
+    expect(output_lse, want_s, LSE_TOL, "output_lse")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_sglang_merge_state_v2_allocated_in_place_and_enable_pdl(rng, backend, dtype):

@@ -10,7 +10,8 @@ operand and axes in the peer's names) and all of that is derived from it.
 * :mod:`cupy_merge.compat.flashinfer`: FlashInfer's ``merge_state``, ``merge_state_in_place``,
   ``merge_states`` and ``flashinfer.triton.cascade.variable_length_merge_states``; LSE
   token-major ``[seq_len, num_heads]``, **base 2**;
-* :mod:`cupy_merge.compat.sglang`: SGLang's ``merge_state_v2``; LSE token-major
+* :mod:`cupy_merge.compat.sglang`: SGLang's ``merge_state_v2`` and its serving code's
+  ``merge_state`` (``sglang.srt``, the same merge under other names); LSE token-major
   ``[seq_len, num_heads]``, natural log;
 * :mod:`cupy_merge.compat.flash_attn`: FlashAttention's ``flash_attn_combine`` (FA4's signature,
   a superset of FA3's); split-major partials, LSE ``[..., seqlen, num_heads]``, natural log;

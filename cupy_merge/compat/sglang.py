@@ -1,4 +1,4 @@
-"""SGLang's ``merge_state_v2`` with SGLang's signature and layout: token-major, natural-log LSE.
+"""SGLang's ``merge_state_v2`` and ``merge_state`` with SGLang's signatures and layout: token-major, natural-log LSE.
 
 =========  ========================================  ==================================
 argument   SGLang's layout                           the core's (what is passed to it)
@@ -13,12 +13,13 @@ SGLang has three functions called "merge_state", and their LSE bases differ:
   log. Use :func:`merge_state_v2`.
 * ``sglang.srt.layers.attention.merge_state.merge_state(prefix_output, prefix_lse,
   suffix_output, suffix_lse, output=None, output_lse=None)``, the dispatcher over
-  ``merge_state_v2`` and a Triton kernel: natural log, the same arguments in the same places.
-  Use :func:`merge_state_v2`.
+  ``merge_state_v2`` and a Triton kernel: natural log, the same arguments in the same places
+  under other names. Use :func:`merge_state` (this module's is this one).
 * ``sgl_kernel.merge_state(v_a, s_a, v_b, s_b, v_merged=None, s_merged=None)`` ("v1", FlashInfer's
   kernel vendored): **base 2**. Use :func:`merge_state_v2` with ``lse_base=2``, or
-  :func:`cupy_merge.compat.flashinfer.merge_state` where no outputs are given. Reading its
-  base-2 LSEs as natural logs weighs every state wrongly, without any error.
+  :func:`cupy_merge.compat.flashinfer.merge_state` where no outputs are given, not this
+  module's :func:`merge_state`: reading its base-2 LSEs as natural logs weighs every state
+  wrongly, without any error.
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ _MERGE_STATE_V2 = PeerMerge(
     "that is cupy_merge's [num_heads, num_tokens] layout: SGLang's LSE is token-major, pass it as SGLang takes it "
     "(or call cupy_merge.merge_state)",
 )
+
+
+_MERGE_STATE = PeerMerge(
+    _ops.MERGE_STATE,
+    (Arg("prefix_output", "v_a", VALUES), Arg("suffix_output", "v_b", VALUES), Arg("prefix_lse", "s_a", LSE),
+     Arg("suffix_lse", "s_b", LSE)),
+    (Arg("output", "out", VALUES), Arg("output_lse", "out_lse", LSE)),
+    _MERGE_STATE_V2.values_convention,
+    _MERGE_STATE_V2.convention,
+    _MERGE_STATE_V2.swapped,
+)  # fmt: skip
 
 
 def merge_state_v2(
@@ -138,4 +150,72 @@ def merge_state_v2(
     return _MERGE_STATE_V2(locals(), stream, convention, lse_base=lse_base)  # type: ignore[return-value]
 
 
-__all__ = ["merge_state_v2"]
+def merge_state(
+    prefix_output: Array,
+    prefix_lse: Array,
+    suffix_output: Array,
+    suffix_lse: Array,
+    output: Array | None = None,
+    output_lse: Array | None = None,
+    *,
+    stream: Stream = None,
+) -> tuple[Array, Array]:
+    """Merge a prefix's and a suffix's attention states (SGLang's
+    ``sglang.srt.layers.attention.merge_state.merge_state``): token-major, natural-log LSE.
+
+    :func:`merge_state_v2` under the names SGLang's serving code calls it by (its dispatcher over
+    ``sgl_kernel.merge_state_v2`` and a Triton kernel). Not ``sgl_kernel.merge_state`` (v1),
+    whose LSEs are base 2: use ``merge_state_v2(..., lse_base=2)`` for that one.
+
+    Parameters
+    ----------
+    prefix_output : torch.Tensor or cupy.ndarray
+        ``[seq_len, num_heads, head_dim]``, float16, bfloat16 or float32; any strides with a
+        contiguous last dimension.
+    prefix_lse : torch.Tensor or cupy.ndarray
+        ``[seq_len, num_heads]`` (token-major), natural log, float32 (float16, bfloat16 or float64
+        are cast to a float32 copy). ``+inf`` is read as ``-inf``, as SGLang does.
+    suffix_output : torch.Tensor or cupy.ndarray
+        Like ``prefix_output``, of its shape and dtype.
+    suffix_lse : torch.Tensor or cupy.ndarray
+        Like ``prefix_lse``.
+    output : torch.Tensor or cupy.ndarray, optional
+        ``[seq_len, num_heads, head_dim]`` to write the merged values into (converted to its
+        dtype); may be ``prefix_output`` or ``suffix_output`` itself. Allocated like
+        ``prefix_output`` if omitted.
+    output_lse : torch.Tensor or cupy.ndarray, optional
+        ``[seq_len, num_heads]`` float32 to write the merged LSE into; allocated if omitted.
+    stream : Stream, optional
+        Where to launch (cupy-merge's extension).
+
+    Returns
+    -------
+    output : torch.Tensor or cupy.ndarray
+        The merged values: the given ``output`` or a new C-contiguous array.
+    output_lse : torch.Tensor or cupy.ndarray
+        The merged LSE, ``[seq_len, num_heads]`` float32: the given ``output_lse`` or a new array.
+
+    Raises
+    ------
+    TypeError
+        A dtype or array kind SGLang's layout does not allow (FP8 values too, which SGLang sends to
+        a Triton kernel: dequantise them first); the message names the argument.
+    ValueError
+        A shape that is not SGLang's layout; the message names the argument and the layout.
+
+    See Also
+    --------
+    merge_state_v2 : The same merge under ``sgl_kernel``'s names.
+
+    Examples
+    --------
+    >>> import torch                                                               # doctest: +SKIP
+    >>> from cupy_merge.compat import sglang
+    >>> o = torch.randn(613, 32, 128, device="cuda").half()                        # doctest: +SKIP
+    >>> lse = torch.randn(613, 32, device="cuda")                                  # doctest: +SKIP
+    >>> output, output_lse = sglang.merge_state(o, lse, o, lse)                    # doctest: +SKIP
+    """
+    return _MERGE_STATE(locals(), stream, "")  # type: ignore[return-value]
+
+
+__all__ = ["merge_state", "merge_state_v2"]
