@@ -177,15 +177,20 @@ def _cache_file(module: cat.Module, target: Target) -> pathlib.Path:
     return cache_folder() / f"{_family(module, target)}-nvrtc{major}_{minor}.json"
 
 
-def _entry_to_read(module: cat.Module, target: Target) -> pathlib.Path | None:
+def _entries_to_read(module: cat.Module, target: Target) -> list[pathlib.Path]:
     """This NVRTC's entry; where NVRTC is missing (a machine serving binaries compiled ahead with
-    ``--arch``), the newest entry of any NVRTC's. None if there is none."""
+    ``--arch``), every NVRTC's, the newest NVRTC first (then the newest written)."""
     try:
         names_file = _cache_file(module, target)
     except NvrtcMissing:
-        entries = sorted(cache_folder().glob(f"{_family(module, target)}-nvrtc*.json"), key=_modified)
-        return entries[-1] if entries else None
-    return names_file if names_file.exists() else None
+        family = _family(module, target)
+        found = []
+        for path in cache_folder().glob(f"{family}-nvrtc*.json"):
+            version = re.fullmatch(rf"{family}-nvrtc(\d+)_(\d+)\.json", path.name)
+            if version:
+                found.append(((int(version[1]), int(version[2])), _modified(path), path))
+        return [path for *_, path in sorted(found, reverse=True)]
+    return [names_file] if names_file.exists() else []
 
 
 def _modified(path: pathlib.Path) -> float:
@@ -199,17 +204,16 @@ def cached(module: cat.Module, target: Target) -> Compiled | None:
     """The module compiled for ``target`` earlier, by this process or another; None if never.
 
     An entry that cannot be used (damaged, half written, or of another shape) is a miss too,
-    logged on the ``cupy_merge`` logger: the caller compiles the module again and replaces it.
+    logged on the ``cupy_merge`` logger (without NVRTC the next entry is tried): the caller
+    compiles the module again and replaces it.
     """
-    names_file = _entry_to_read(module, target)
-    if names_file is None:
-        return None
-    try:
-        return _read_entry(names_file, cat.module_instances(module), target.ptx)
-    except (OSError, ValueError, _UnusableEntry) as error:
-        _log.warning("the kernel cache entry %s cannot be used (%s): compiling %s again", names_file,
-                     error, module.source)  # fmt: skip
-        return None
+    for names_file in _entries_to_read(module, target):
+        try:
+            return _read_entry(names_file, cat.module_instances(module), target.ptx)
+        except (OSError, ValueError, _UnusableEntry) as error:
+            _log.warning("the kernel cache entry %s cannot be used (%s): compiling %s again", names_file,
+                         error, module.source)  # fmt: skip
+    return None
 
 
 class _UnusableEntry(Exception):

@@ -277,14 +277,25 @@ def run_mismatch_rank(rank: int, world: int, init_method: str, queue) -> None:
                 if not (text.startswith("merge_across_ranks: the ranks were not called alike: ")
                         and all(w in text for w in words)):  # fmt: skip
                     failures.append(f"case {number}, rank {rank}: {text}")
-        # A rank refusing its own arrays tells its peers, which raise instead of waiting.
-        try:
-            cmd.merge_across_ranks(v, s, out=torch.empty(3, 4, 9) if other else None)
-            failures.append(f"refused: no error on rank {rank}")
-        except ValueError as raised:
-            want = "out: expected float32 of shape (3, 4, 8)" if other else "merge_across_ranks: rank 1 refused its"
-            if not str(raised).startswith(want):
-                failures.append(f"refused, rank {rank}: {raised}")
+        # A rank refusing its own arguments tells its peers, which raise instead of waiting: its arrays,
+        # its options, the check's own switch, or a v of no array kind (the peers are reached through s).
+        refusals = [
+            ({"out": torch.empty(3, 4, 9)}, ValueError, "out: expected float32 of shape (3, 4, 8)"),
+            ({"op": "ring"}, ValueError, "op: expected 'auto' or one of"),
+            ({"lse_base": 10}, ValueError, "lse_base: expected"),
+            ({"shard_heads": 1}, TypeError, "shard_heads: expected True or False"),
+            ({"check_ranks": 1}, TypeError, "check_ranks: expected True or False"),
+            ({"v": v.numpy()}, TypeError, "v: expected a torch tensor or a CuPy array"),
+        ]
+        for mine, error, words in refusals:
+            arguments = {"v": v, "s": s, **(mine if other else {})}
+            try:
+                cmd.merge_across_ranks(**arguments)
+                failures.append(f"refused {mine}: no error on rank {rank}")
+            except (ValueError, TypeError) as raised:
+                want = (error, words) if other else (ValueError, "merge_across_ranks: rank 1 refused its")
+                if not (isinstance(raised, want[0]) and str(raised).startswith(want[1])):
+                    failures.append(f"refused {mine}, rank {rank}: {type(raised).__name__}: {raised}")
         # Bound, the ranks are compared once, when every rank binds.
         try:
             cm.bind(cmd.merge_across_ranks, v, s, lse_base=2 if other else "e")
@@ -292,6 +303,22 @@ def run_mismatch_rank(rank: int, world: int, init_method: str, queue) -> None:
         except ValueError as raised:
             if "lse_base is 'e' on rank 0, 2 on rank 1" not in str(raised):
                 failures.append(f"bind, rank {rank}: {raised}")
+        # Bound, the check runs once, at bind, not at each launch (CPU launches rerun the merge).
+        from cupy_merge.distributed import _agreement
+
+        gathers, gather = [], _agreement._gather
+        _agreement._gather = lambda *args: (gathers.append(1), gather(*args))[1]
+        bound = cm.bind(cmd.merge_across_ranks, v, s)
+        for _ in range(3):
+            bound()
+        _agreement._gather = gather
+        if len(gathers) != 1:
+            failures.append(f"bound: {len(gathers)} checks in a bind and 3 launches, expected 1")
+        # -0.0 and 0.0 sinks, or NaNs of other payloads, are the same merge: no mismatch.
+        signed = torch.tensor([0.5, -1.0, -0.0 if other else 0.0, float("nan")])
+        if other:
+            signed.view(torch.int32)[3] = 0x7FC00123  # a NaN with another payload
+        cmd.merge_across_ranks(v, s, sinks=signed)
         # The group is still in step: a merge called alike is right afterwards, checked or not.
         for check in (None, True, False):
             out, lse = cmd.merge_across_ranks(v, s, check_ranks=check)

@@ -126,7 +126,8 @@ def test_the_key_holds_the_library_version_and_the_entry_format(cache, monkeypat
 def test_the_key_holds_nvrtcs_version_and_a_machine_without_nvrtc_reads_any(cache, monkeypatch):
     """An entry of another NVRTC is compiled again by this one (an upgrade's code generation is
     used, and environments of two CUDA versions sharing a folder keep one entry each); a serving
-    machine with no NVRTC, whose cache was filled ahead with --arch, reads the newest of any."""
+    machine with no NVRTC, whose cache was filled ahead with --arch, reads any NVRTC's, the newest
+    NVRTC first, the next where one cannot be used."""
     _write_entry(_whole_entry())
     assert _kernels.cached(MODULE, SM_90) is not None
     major, minor = _kernels.nvrtc_version()
@@ -138,10 +139,13 @@ def test_the_key_holds_nvrtcs_version_and_a_machine_without_nvrtc_reads_any(cach
     def missing():
         raise _kernels.NvrtcMissing("no NVRTC here")
 
-    older = next(path for path in cache.glob(f"*-nvrtc{major}_{minor}.json"))
-    os.utime(older, (older.stat().st_atime, older.stat().st_mtime - 1000))
+    newer = next(path for path in cache.glob(f"*-nvrtc{major}_{minor + 1}.json"))
+    os.utime(newer, (newer.stat().st_atime, newer.stat().st_mtime - 1000))  # written first
+    (cache / f"{newer.name.split('-')[0]}-nvrtcX.json").write_text("{}")  # no entry of any NVRTC's
     monkeypatch.setattr(_kernels, "nvrtc_version", missing)
-    assert _kernels.cached(MODULE, SM_90).binary == b"the newer NVRTC's cubin"
+    assert _kernels.cached(MODULE, SM_90).binary == b"the newer NVRTC's cubin"  # the newest NVRTC first
+    newer.with_suffix(".bin").write_bytes(b"damaged")  # its digest no longer matches: the next is read
+    assert _kernels.cached(MODULE, SM_90).binary == b"a cubin"
     for path in cache.glob("*"):
         path.unlink()
     assert _kernels.cached(MODULE, SM_90) is None

@@ -664,6 +664,27 @@ def test_xformers_reads_a_sequence_of_views_of_one_buffer_in_place_and_stacks_an
     assert close(out, want_v) and close(out_lse, want_s)
 
 
+def test_xformers_sequences_it_must_not_read_in_place_are_stacked_or_refused(core):
+    """From a review: a chunk with its own smaller storage at the buffer's address (a DLPack import),
+    a negated view (same memory, read negated), sliding windows and reversed orders are merged right;
+    a later chunk that requires grad is refused by its name though the view would be of the first."""
+    buf, lse = randn(2, 1, 7, 2, 8), randn(2, 1, 2, 7)
+    want_v, want_s = xf_merge_attentions(f64(buf), f64(lse))
+    out, out_lse = xformers.merge_attentions([torch.from_dlpack(buf[0]), buf[1]], list(lse))
+    assert close(out, want_v) and close(out_lse, want_s)
+    one, lses = buf[0], [lse[0], lse[1]]
+    out, _ = xformers.merge_attentions([one, torch._neg_view(one)], lses)
+    assert close(out, xf_merge_attentions(np.stack([f64(one), -f64(one)]), np.stack([f64(x) for x in lses]))[0])
+    flat = randn(1, 9, 2, 8)
+    windows, window_lses = [flat[:, i : i + 5] for i in range(3)], [randn(1, 2, 5) for _ in range(3)]
+    out, _ = xformers.merge_attentions(windows[::-1], window_lses)
+    want = xf_merge_attentions(np.stack([f64(c) for c in windows[::-1]]), np.stack([f64(x) for x in window_lses]))
+    assert close(out, want[0])
+    grad = randn(2, 1, 7, 2, 8).requires_grad_()
+    with pytest.raises(RuntimeError, match=r"^attn_split\[1\]: requires grad"):
+        xformers.merge_attentions([grad.detach()[0], grad[1]], list(lse))
+
+
 def test_xformers_output_dtype_write_lse_and_the_lses_dtype(core):
     attn, lse = randn(2, 1, 3, 2, 8), randn(2, 1, 2, 3)
     out, out_lse = xformers.merge_attentions(attn, lse, write_lse=False, output_dtype=torch.float16)

@@ -229,6 +229,9 @@ def test_the_ranks_check_is_on_for_cpu_tensors_and_where_the_environment_asks(mo
     assert not _agreement.wanted(None, _arrays.CUPY, None)
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "detail")
     assert _agreement.wanted(None, _arrays.TORCH, elsewhere) and not _agreement.wanted(None, _arrays.CUPY, None)
+    for off in ("0", "false", "no", ""):  # "1" turns it on, as the library's other switches
+        monkeypatch.setenv("CUPY_MERGE_CHECK_RANKS", off)
+        assert not _agreement.wanted(None, _arrays.CUPY, None)
     monkeypatch.setenv("CUPY_MERGE_CHECK_RANKS", "1")
     assert _agreement.wanted(None, _arrays.CUPY, None)
     assert not _agreement.wanted(False, _arrays.CUPY, None)

@@ -184,6 +184,8 @@ def _stacked(chunks: Any, name: str, layout: str, chunk_layout: str) -> tuple[An
             raise TypeError(f"{name}[{index}]: expected an array of the kind of {name}[0] ({adapter.kind})")
         expect_like(array, first, f"{name}[{index}]", f"{name}[0]")
         arrays.append(array)
+    # Each chunk by its own name: a view of the stack is made from the first chunk alone.
+    refuse_grad(((f"{name}[{index}]", array) for index, array in enumerate(arrays)), "merge_states")
     view = _view_of_stack(arrays)
     return (_stack(arrays) if view is None else view), adapter
 
@@ -193,8 +195,10 @@ def _view_of_stack(arrays: list) -> Any | None:
     constant distance (0 too: one array twice), else None."""
     first = arrays[0]
     strides = element_strides(first)
-    if strides is None or (is_torch(first) and _compiling()):
-        return None  # a traced tensor has no address
+    if strides is None:
+        return None
+    if is_torch(first) and (_compiling() or any(array.is_neg() or array.is_conj() for array in arrays)):
+        return None  # a traced tensor has no address; a negated or conjugate view is not its memory
     try:
         pointers = [_pointer(array) for array in arrays]
     except RuntimeError:  # a fake tensor (torch.export, make_fx)
@@ -207,7 +211,10 @@ def _view_of_stack(arrays: list) -> Any | None:
         return None
     shape, new_strides = (len(arrays), *shape_of(first)), (step // itemsize, *strides)
     if is_torch(first):
-        return first.as_strided(shape, new_strides)
+        try:
+            return first.as_strided(shape, new_strides)
+        except RuntimeError:  # out of the first chunk's storage: another storage at the same address
+            return None
     import cupy
 
     return cupy.lib.stride_tricks.as_strided(first, shape=shape, strides=tuple(s * itemsize for s in new_strides))

@@ -134,7 +134,9 @@ def merge_across_ranks(
         on for CPU tensors (gloo), and where the environment sets
         ``CUPY_MERGE_CHECK_RANKS=1`` or, for torch groups,
         ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (left out while a graph is captured);
-        off otherwise.
+        off otherwise. Whether to check must be the same on every rank (the same
+        argument and environment): a rank checking while a peer does not runs one
+        more collective than the peer.
 
     Returns
     -------

@@ -39,7 +39,7 @@ def wanted(check_ranks: Any, adapter: _arrays.Adapter, v: Any) -> bool:
     where the environment asks for it."""
     if check_ranks is not None:
         return _options.flag(check_ranks, "check_ranks")
-    if os.environ.get("CUPY_MERGE_CHECK_RANKS", "0") not in ("", "0"):
+    if os.environ.get("CUPY_MERGE_CHECK_RANKS") == "1":  # as the library's other switches
         return True
     if adapter is _arrays.TORCH:
         return v.device.type == "cpu" or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
@@ -48,12 +48,19 @@ def wanted(check_ranks: Any, adapter: _arrays.Adapter, v: Any) -> bool:
 
 def header(state: Any, lse_base_2: int, shard_heads: bool, op: str, sinks: Any, adapter: _arrays.Adapter) -> list[int]:
     """This rank's call as :data:`LENGTH` integers (``state``: a ``StateShape``); the sinks by a
-    checksum of their float32 bytes (read from the device: the check waits for the GPU anyway)."""
-    checksum = 0 if sinks is None else 1 + zlib.crc32(np.ascontiguousarray(_host(sinks, adapter)).tobytes())
+    checksum of their float32 values (read from the device: the check waits for the GPU anyway),
+    -0.0 counted as 0.0 and every NaN as one, as the merge counts them."""
+    checksum = 0 if sinks is None else 1 + zlib.crc32(_canonical(_host(sinks, adapter)).tobytes())
     return [
         CHECKED, DTYPES.index(state.dtype), state.num_tokens, state.num_heads, state.head_size,
         lse_base_2, int(shard_heads), OPS.index(op), checksum,
     ]  # fmt: skip
+
+
+def _canonical(values: np.ndarray) -> np.ndarray:
+    values = np.ascontiguousarray(values, dtype=np.float32) + np.float32(0.0)  # -0.0 + 0.0 is 0.0
+    values[np.isnan(values)] = np.float32("nan")
+    return values
 
 
 def refused() -> list[int]:

@@ -182,7 +182,8 @@ def bind(
     check_ranks: Any = None,
 ) -> BoundAcrossRanks:
     """``merge_across_ranks``'s arguments, checked and prepared once (what ``cupy_merge.bind`` calls);
-    with ``check_ranks`` the ranks' calls are compared here, when every rank binds."""
+    with ``check_ranks`` the ranks' calls are compared here, once, when every rank binds (not at
+    each launch, CPU tensors' included)."""
     call = _strategies.resolve(
         v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, None, check_ranks, bound=True
     )
@@ -193,7 +194,7 @@ def bind(
         # A launch records no autograd graph on the CPU either, as the GPU's kernels do not.
         with torch.no_grad():
             _strategies.run(
-                _strategies.resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, None, check_ranks)
+                _strategies.resolve(v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, None, False)
             )
 
     return BoundAcrossRanks(call, rerun)

@@ -56,7 +56,56 @@ def resolve(
 ) -> RankCall:  # fmt: skip
     """Every check of ``merge_across_ranks`` (``bound``: of ``cupy_merge.bind`` of it), before any
     of its collectives; ``"auto"`` resolved. Where ``check_ranks`` asks (``_agreement.wanted``), the
-    ranks' calls are then compared, and a rank refusing its arrays tells its peers."""
+    ranks' calls are then compared, and a rank refusing its arguments tells its peers (where ``v``
+    or ``s`` and ``group`` say how to reach them)."""
+    peers = _Peers.of(v, s, group)
+    try:
+        call = _checked(peers, v, s, group, op, shard_heads, out, out_lse, lse_base, sinks, stream, bound)
+        checking = _agreement.wanted(check_ranks, call.adapter, v) and call.comm.world_size > 1
+    except Exception:
+        if peers is not None and peers.comm.world_size > 1 and _agreement.wanted(
+            check_ranks if check_ranks is None or isinstance(check_ranks, bool) else None, peers.adapter, peers.array
+        ):
+            with contextlib.suppress(Exception):  # this rank's own error says more than a failed gather
+                _agreement.agree(peers.comm, peers.adapter, peers.device, _agreement.refused(), None,
+                                 check_ranks is not None)  # fmt: skip
+        raise
+    if checking:
+        sharded = call.shards > 1  # shard_heads, at more than one rank
+        mine = _agreement.header(call.state, call.lse_base_2, sharded, call.op, sinks, call.adapter)
+        _agreement.agree(call.comm, call.adapter, call.state.device, mine, call.stream, check_ranks is not None)
+    return call
+
+
+class _Peers(NamedTuple):
+    """How a rank whose arguments are refused reaches its peers: the communicator ``group`` gives
+    for the kind of ``v`` (or of ``s``, where ``v`` is of none), and the device to gather on."""
+
+    comm: Any
+    adapter: _arrays.Adapter
+    array: Any  # v, or s
+    device: int
+
+    @classmethod
+    def of(cls, v: Any, s: Any, group: Any) -> _Peers | None:
+        for array in (v, s):
+            try:
+                adapter = _kind(array)
+                comm = TorchGroup(group) if adapter is _arrays.TORCH else CupyNccl(group, None)
+            except (TypeError, ValueError, RuntimeError, ImportError):  # the checks raise it again, saying why
+                continue
+            device = _device_of(array)
+            if device is not None:
+                return cls(comm, adapter, array, device)
+        return None
+
+
+def _checked(
+    peers: _Peers | None, v: Any, s: Any, group: Any, op: Any, shard_heads: Any, out: Any, out_lse: Any,
+    lse_base: Any, sinks: Any, stream: Any, bound: bool,
+) -> RankCall:  # fmt: skip
+    """This rank's own checks, in order: the options, the kind of ``v`` and its communicator, the
+    arrays, the stream and the strategy."""
     shard_heads = _options.flag(shard_heads, "shard_heads")
     allowed = SHARDED_STRATEGIES if shard_heads else FULL_HEAD_STRATEGIES
     if op != "auto" and op not in allowed:
@@ -66,28 +115,11 @@ def resolve(
         )
     lse_base_2 = _options.lse_base_flag(lse_base)
     adapter = _kind(v)
-    comm = TorchGroup(group) if adapter is _arrays.TORCH else CupyNccl(group, None)
-    checking = _agreement.wanted(check_ranks, adapter, v) and comm.world_size > 1  # one rank: nothing to compare
+    if peers is not None and peers.array is v:
+        comm = peers.comm
+    else:
+        comm = TorchGroup(group) if adapter is _arrays.TORCH else CupyNccl(group, None)
     arrays = RankOperands(v, s, out, out_lse, sinks)
-    try:
-        call = _checked(adapter, comm, arrays, op, shard_heads, lse_base_2, stream, bound)
-    except Exception:
-        device = _device_of(v)
-        if checking and device is not None:
-            with contextlib.suppress(Exception):  # this rank's own error says more than a failed gather
-                _agreement.agree(comm, adapter, device, _agreement.refused(), None, check_ranks is not None)
-        raise
-    if checking:
-        mine = _agreement.header(call.state, lse_base_2, shard_heads, call.op, sinks, adapter)
-        _agreement.agree(comm, adapter, call.state.device, mine, call.stream, check_ranks is not None)
-    return call
-
-
-def _checked(
-    adapter: _arrays.Adapter, comm: Any, arrays: RankOperands, op: str, shard_heads: bool, lse_base_2: int,
-    stream: Any, bound: bool,
-) -> RankCall:  # fmt: skip
-    """This rank's own checks: its arrays, stream and strategy."""
     views = {}
     for field, obj in zip(arrays._fields, arrays):
         name = getattr(RANK_NAMES, field)
