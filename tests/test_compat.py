@@ -1016,7 +1016,8 @@ def test_fold_compiles_whole_at_a_storage_offset():
          "v_b", "merge_state"),
         (lambda r: flash_attn.flash_attn_combine(r(3, 7, 2, 8, grad=False), r(3, 7, 2)), "lse_partial", "merge_states"),
         (lambda r: xformers.merge_attentions([r(1, 7, 2, 8), r(1, 7, 2, 8, grad=False)], [r(1, 2, 7, grad=False)] * 2),
-         "attn_split", "merge_states"),
+         r"attn_split\[0\]", "merge_states"),
+        (lambda r: xformers.merge_attentions(r(2, 1, 7, 2, 8, grad=False), r(2, 1, 2, 7)), "lse_split", "merge_states"),
     ],
 )  # fmt: skip
 def test_a_drop_in_refuses_an_input_that_requires_grad_by_its_name(core, call, name, core_merge):
