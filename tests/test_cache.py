@@ -149,3 +149,18 @@ def test_the_key_holds_nvrtcs_version_and_a_machine_without_nvrtc_reads_any(cach
     for path in cache.glob("*"):
         path.unlink()
     assert _kernels.cached(MODULE, SM_90) is None
+
+
+def test_without_nvrtc_another_modules_newer_entry_is_not_read(cache, monkeypatch):
+    other = cat.Module(cat.TWO_STATES_SOURCE, "float16", "float16")
+    _write_entry(_whole_entry())
+    names = {kernel: f"lowered_{i}" for i, kernel in enumerate(cat.module_instances(other))}
+    other_file = _kernels._cache_file(other, SM_90)
+    other_file.with_suffix(".bin").write_bytes(b"another module's cubin")
+    other_file.write_text(json.dumps({"names": names, "sha256": hashlib.sha256(b"another module's cubin").hexdigest()}))
+
+    def missing():
+        raise _kernels.NvrtcMissing("no NVRTC here")
+
+    monkeypatch.setattr(_kernels, "nvrtc_version", missing)
+    assert _kernels.cached(MODULE, SM_90).binary == b"a cubin"

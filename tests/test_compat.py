@@ -683,6 +683,16 @@ def test_xformers_sequences_it_must_not_read_in_place_are_stacked_or_refused(cor
     grad = randn(2, 1, 7, 2, 8).requires_grad_()
     with pytest.raises(RuntimeError, match=r"^attn_split\[1\]: requires grad"):
         xformers.merge_attentions([grad.detach()[0], grad[1]], list(lse))
+    chunks, chunk_lses = randn(3, 1, 5, 2, 8), randn(3, 1, 2, 5)
+    square = randn(2, 1, 4, 4, 8)  # M == H: another stride order of the same shape
+    for attn, lses in (
+        ([chunks[i] for i in (0, 2, 1)], [chunk_lses[i] for i in (0, 2, 1)]),  # not at equal distances
+        ([torch.from_dlpack(chunk) for chunk in chunks], list(chunk_lses)),  # equal distances, own storages
+        ([square[0], square[1].transpose(1, 2)], [randn(1, 4, 4), randn(1, 4, 4)]),  # other strides
+    ):
+        out, out_lse = xformers.merge_attentions(attn, lses)
+        want_v, want_s = xf_merge_attentions(np.stack([f64(a) for a in attn]), np.stack([f64(x) for x in lses]))
+        assert close(out, want_v) and close(out_lse, want_s)
 
 
 def test_xformers_output_dtype_write_lse_and_the_lses_dtype(core):

@@ -215,6 +215,23 @@ def test_the_ranks_check_names_each_difference_and_the_ranks_on_each_side():
     assert _agreement.mismatch(refusing, 0).startswith("merge_across_ranks: ranks 1, 2 refused their arguments")
 
 
+def test_the_ranks_check_header_holds_the_call_and_the_sinks_values():
+    torch = pytest.importorskip("torch")
+    import zlib
+    from types import SimpleNamespace
+
+    from cupy_merge import _arrays
+    from cupy_merge.distributed import _agreement
+
+    state = SimpleNamespace(dtype="bfloat16", num_tokens=3, num_heads=4, head_size=8)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    header = _agreement.header(state, 1, True, "alltoall", sinks, _arrays.TORCH)
+    assert header == [_agreement.CHECKED, 2, 3, 4, 8, 1, 1, 2, 1 + zlib.crc32(sinks.numpy().tobytes())]
+    assert _agreement.header(state, 1, True, "alltoall", None, _arrays.TORCH)[8] == 0  # none: never a checksum
+    signed = torch.tensor([0.5, -1.0, 2.0, -0.0])
+    assert _agreement.header(state, 1, True, "alltoall", signed, _arrays.TORCH) == header  # -0.0 is 0.0
+
+
 def test_the_ranks_check_is_on_for_cpu_tensors_and_where_the_environment_asks(monkeypatch):
     torch = pytest.importorskip("torch")
     from cupy_merge import _arrays

@@ -1441,3 +1441,14 @@ def test_a_new_prefill_cut_every_step_leaves_every_cache_bounded(monkeypatch):
     for factory in (_jax_transforms._batched, _jax_transforms._differentiable, _jax_transforms._once_differentiable):
         assert factory.cache_info().maxsize == 4096  # the limit when the module was imported
     _jax_entry._clear_caches()
+
+
+def test_remember_keeps_the_first_value_and_never_more_than_its_limit(monkeypatch):
+    monkeypatch.setattr(_jax_launch, "CACHE_LIMIT", 4)
+    cache: dict = {}
+    first, second = object(), object()
+    assert _jax_launch.remember(cache, ("k",), first) is first
+    assert _jax_launch.remember(cache, ("k",), second) is first  # another thread's value, set first, stays
+    for i in range(9):
+        _jax_launch.remember(cache, (i,), i)
+        assert len(cache) <= 4
