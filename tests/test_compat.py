@@ -943,6 +943,12 @@ PEER_SIGNATURES = {
 }  # fmt: skip
 
 
+def test_vllms_merge_is_named_beside_the_other_peers_and_is_the_core_merge():
+    from cupy_merge.compat import vllm
+
+    assert vllm.merge_attn_states is cm.merge_attn_states and compat.vllm is vllm
+
+
 @pytest.mark.parametrize("function", PEER_SIGNATURES, ids=lambda function: function.__qualname__)
 def test_every_drop_in_takes_its_peers_parameters_names_positions_and_defaults(function):
     parameters = list(inspect.signature(function).parameters.values())

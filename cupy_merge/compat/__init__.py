@@ -18,10 +18,11 @@ operand and axes in the peer's names) and all of that is derived from it.
 * :mod:`cupy_merge.compat.xformers`: xFormers' ``fmha.merge_attentions``; chunk-major partials
   ``[num_chunks, B, M, (G,) H, Kq]`` (or a sequence of chunks), LSE ``[..., (G,) H, M]``, natural log.
 
-vLLM's ``merge_attn_states`` is :func:`cupy_merge.merge_attn_states` itself. Results come back
+vLLM's ``merge_attn_states`` is :func:`cupy_merge.merge_attn_states` itself (also named
+:mod:`cupy_merge.compat.vllm`). Results come back
 in the caller's array kind (torch in, torch out; CuPy in, CuPy out; other DLPack producers get
 CuPy). JAX arrays are refused: these functions write into arrays they allocate. The porting
-table is in ``docs/porting.rst``. The public names are the four modules; the helpers
+table is in ``docs/porting.rst``. The public names are the five modules; the helpers
 defined here (layout checks in the peers' words, views, allocation) serve them.
 
 >>> from cupy_merge.compat import flashinfer                  # doctest: +SKIP
@@ -333,6 +334,6 @@ def expect_flag(value: Any, name: str, none: bool = False) -> None:
 
 
 # The modules use the helpers above.
-from . import flash_attn, flashinfer, sglang, xformers
+from . import flash_attn, flashinfer, sglang, vllm, xformers
 
-__all__ = ["flash_attn", "flashinfer", "sglang", "xformers"]
+__all__ = ["flash_attn", "flashinfer", "sglang", "vllm", "xformers"]
