@@ -232,6 +232,27 @@ def test_the_ranks_check_header_holds_the_call_and_the_sinks_values():
     assert _agreement.header(state, 1, True, "alltoall", signed, _arrays.TORCH) == header  # -0.0 is 0.0
 
 
+def test_the_ranks_check_under_capture_is_refused_when_asked_for_and_left_out_when_on_by_default(monkeypatch):
+    """The host cannot read a captured collective's result: check_ranks=True raises, naming itself;
+    the environment's default skips the check (no gather) so that the capture goes on."""
+    pytest.importorskip("cupy")
+    from types import SimpleNamespace
+
+    from cupy_merge import _launch
+    from cupy_merge.distributed import _agreement
+
+    gathers = []
+    comm = SimpleNamespace(world_size=2, rank=0, all_gather=lambda *args: gathers.append(args))
+    adapter = SimpleNamespace(current_stream=lambda device: 7)  # a stream of its own, being captured
+    monkeypatch.setattr(_launch, "capturing", lambda stream: stream == 7)
+    mine = _agreement.refused()
+    with pytest.raises(ValueError, match="^check_ranks: the ranks' calls cannot be compared while a CUDA graph"):
+        _agreement.agree(comm, adapter, 0, mine, None, asked=True)
+    _agreement.agree(comm, adapter, 0, mine, None, asked=False)
+    _agreement.agree(comm, adapter, 0, mine, 9, asked=False)  # the given stream is not captured, the current is
+    assert gathers == []
+
+
 def test_the_ranks_check_is_on_for_cpu_tensors_and_where_the_environment_asks(monkeypatch):
     torch = pytest.importorskip("torch")
     from cupy_merge import _arrays
