@@ -5,15 +5,7 @@ import sys
 import cupy
 import numpy as np
 
-
-def _has_gpu() -> bool:
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except cupy.cuda.runtime.CUDARuntimeError:  # no driver
-        return False
-
-
-if not _has_gpu():
+if not cupy.cuda.is_available():  # no driver or no device
     print("skipped: needs an NVIDIA GPU")
     sys.exit(0)
 

@@ -186,11 +186,11 @@ def _stacked(chunks: Any, name: str, layout: str, chunk_layout: str) -> tuple[An
         arrays.append(array)
     # Each chunk by its own name: a view of the stack is made from the first chunk alone.
     refuse_grad(((f"{name}[{index}]", array) for index, array in enumerate(arrays)), "merge_states")
-    view = _view_of_stack(arrays)
+    view = _view_of_stack(arrays, adapter)
     return (_stack(arrays) if view is None else view), adapter
 
 
-def _view_of_stack(arrays: list) -> Any | None:
+def _view_of_stack(arrays: list, adapter: Any) -> Any | None:
     """The arrays as one ``[len(arrays), ...]`` view where they are alike views of one buffer at a
     constant distance (0 too: one array twice), else None."""
     first = arrays[0]
@@ -200,7 +200,7 @@ def _view_of_stack(arrays: list) -> Any | None:
     if is_torch(first) and (_compiling() or any(array.is_neg() or array.is_conj() for array in arrays)):
         return None  # a traced tensor has no address; a negated or conjugate view is not its memory
     try:
-        pointers = [_pointer(array) for array in arrays]
+        pointers = [adapter.pointer(array) for array in arrays]
     except RuntimeError:  # a fake tensor (torch.export, make_fx)
         return None
     itemsize = _itemsize(first)
@@ -224,10 +224,6 @@ def _compiling() -> bool:
     import torch
 
     return bool(torch.compiler.is_compiling())
-
-
-def _pointer(array: Any) -> int:
-    return int(array.data_ptr()) if is_torch(array) else int(array.data.ptr)
 
 
 def _itemsize(array: Any) -> int:

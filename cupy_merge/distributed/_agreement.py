@@ -50,7 +50,7 @@ def header(state: Any, lse_base_2: int, shard_heads: bool, op: str, sinks: Any, 
     """This rank's call as :data:`LENGTH` integers (``state``: a ``StateShape``); the sinks by a
     checksum of their float32 values (read from the device: the check waits for the GPU anyway),
     -0.0 counted as 0.0 and every NaN as one, as the merge counts them."""
-    checksum = 0 if sinks is None else 1 + zlib.crc32(_canonical(_host(sinks, adapter)).tobytes())
+    checksum = 0 if sinks is None else 1 + zlib.crc32(_canonical(_arrays.to_numpy(sinks)).tobytes())
     return [
         CHECKED, DTYPES.index(state.dtype), state.num_tokens, state.num_heads, state.head_size,
         lse_base_2, int(shard_heads), OPS.index(op), checksum,
@@ -98,21 +98,13 @@ def _gather(comm: Any, adapter: _arrays.Adapter, device: int, mine: list[int]) -
         where = torch.device("cpu") if device == HOST else torch.device("cuda", device)
         gathered = torch.empty((comm.world_size, LENGTH), dtype=torch.int64, device=where)
         comm.all_gather(gathered, torch.tensor(mine, dtype=torch.int64, device=where))
-        return gathered.cpu().numpy()
+        return _arrays.to_numpy(gathered)
     import cupy
 
     with cupy.cuda.Device(device):
         gathered = cupy.empty((comm.world_size, LENGTH), dtype=cupy.int64)
         comm.all_gather(gathered, cupy.asarray(np.asarray(mine, dtype=np.int64)))
-        return cupy.asnumpy(gathered)
-
-
-def _host(sinks: Any, adapter: _arrays.Adapter) -> np.ndarray:
-    if adapter is _arrays.TORCH:
-        return sinks.detach().cpu().numpy()
-    import cupy
-
-    return cupy.asnumpy(sinks)
+        return _arrays.to_numpy(gathered)
 
 
 def mismatch(rows: np.ndarray, rank: int) -> str:
