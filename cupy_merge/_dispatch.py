@@ -40,7 +40,7 @@ from . import (
     _quantised,
     _tuning,
 )
-from ._arrays import ArraySpec, ArrayView
+from ._arrays import ArrayView
 from ._catalogue import ITEMSIZES, VALUES_PER_ELEMENT
 from ._operands import (
     WRITTEN,
@@ -483,10 +483,3 @@ def allocate(
             patches[index].append((slot, pointer + offset))
     return outputs, patches
 
-
-def describe_specs(operands: Operands, names: Operands, spec_of: Callable[[Any, str], ArraySpec]) -> Operands:
-    """The operands' specs by ``spec_of(array, name)``, for integrations that plan without
-    addresses (torch fake tensors, JAX abstract values)."""
-    return type(operands)(
-        *(None if obj is None else spec_of(obj, name) for obj, name in zip(operands, names))
-    )

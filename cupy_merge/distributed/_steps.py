@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from .. import _catalogue as cat
 from .. import _launch, _plan
-from .._arrays import HOST, ArrayView, alignment
+from .._arrays import HOST, ArrayView
 from .._plan import Pointer
 
 
@@ -225,7 +225,3 @@ def merge_on_host(v: Any, s: Any, lse_base_2: int, sinks: Any = None) -> tuple[A
     merged_lse = torch.where(any_nan, math.nan, merged_lse)
     return values.to(v.dtype), merged_lse
 
-
-def aligned(view: ArrayView) -> bool:
-    """Whether ``view`` starts on 16 bytes (what a summed-in-place output needs to be written by packs)."""
-    return alignment(view.ptr) >= 16

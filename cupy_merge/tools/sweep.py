@@ -143,7 +143,7 @@ def _dtype(name: str):
     return cupy_dtype(name)
 
 
-def _row(label: str, nbytes: int, run, variants: dict, rng_check=True) -> tuple[str, list[float], float]:
+def _row(label: str, nbytes: int, run, variants: dict) -> tuple[str, list[float], float]:
     results, cells = {}, []
     for name, settings in variants.items():
         with _tuning.use(tuning_of(settings)):
