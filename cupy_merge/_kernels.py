@@ -26,6 +26,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import cupy
@@ -207,13 +208,18 @@ def cached(module: cat.Module, target: Target) -> Compiled | None:
     logged on the ``cupy_merge`` logger (without NVRTC the next entry is tried): the caller
     compiles the module again and replaces it.
     """
+    return next(cached_entries(module, target), None)
+
+
+def cached_entries(module: cat.Module, target: Target) -> Iterator[Compiled]:
+    """Every usable entry of ``module`` for ``target``, in the order :func:`cached` prefers them (one
+    with NVRTC; without it, each NVRTC's): a loader the driver refuses one of tries the next."""
     for names_file in _entries_to_read(module, target):
         try:
-            return _read_entry(names_file, cat.module_instances(module), target.ptx)
+            yield _read_entry(names_file, cat.module_instances(module), target.ptx)
         except (OSError, ValueError, _UnusableEntry) as error:
             _log.warning("the kernel cache entry %s cannot be used (%s): compiling %s again", names_file,
                          error, module.source)  # fmt: skip
-    return None
 
 
 class _UnusableEntry(Exception):

@@ -45,16 +45,20 @@ _functions_lock = threading.Lock()
 
 
 def _load(module: cat.Module, device: int) -> tuple[object, dict[str, str]]:
-    """``module`` loaded on ``device`` (current): from the disk cache, else compiled now."""
+    """``module`` loaded on ``device`` (current): from the disk cache, else compiled now.
+
+    An entry the driver refuses (a cubin of a newer toolkit than this driver) is passed over for
+    the next; with none left the module is compiled and its entry replaced.
+    """
     target = _kernels.device_target(device)
-    compiled = _kernels.compile_module(module, target)
-    try:
-        return _load_binary(compiled), compiled.names
-    except cupy.cuda.driver.CUDADriverError as error:  # e.g. a cubin of a newer toolkit than this driver
-        _log.info("could not load the cached %s (%s); compiling it again", module.source, error)
-        compiled = _kernels.compile_module(module, target, cache=False)
-        _kernels._store(_kernels._cache_file(module, target), compiled, _kernels.nvrtc_version())
-        return _load_binary(compiled), compiled.names
+    for compiled in _kernels.cached_entries(module, target):
+        try:
+            return _load_binary(compiled), compiled.names
+        except cupy.cuda.driver.CUDADriverError as error:
+            _log.info("could not load a cached %s (%s); trying the next entry", module.source, error)
+    compiled = _kernels.compile_module(module, target, cache=False)
+    _kernels._store(_kernels._cache_file(module, target), compiled, _kernels.nvrtc_version())
+    return _load_binary(compiled), compiled.names
 
 
 def _load_binary(compiled: _kernels.Compiled) -> object:

@@ -10,10 +10,11 @@ import hashlib
 import json
 import os
 
+import cupy
 import pytest
 
 from cupy_merge import _catalogue as cat
-from cupy_merge import _kernels, _version
+from cupy_merge import _kernels, _launch, _version
 
 SM_90 = _kernels.Target("90")
 MODULE = cat.Module(cat.TWO_STATES_SOURCE, "float32", "float32")
@@ -164,3 +165,46 @@ def test_without_nvrtc_another_modules_newer_entry_is_not_read(cache, monkeypatc
 
     monkeypatch.setattr(_kernels, "nvrtc_version", missing)
     assert _kernels.cached(MODULE, SM_90).binary == b"a cubin"
+
+
+class _Refused(cupy.cuda.driver.CUDADriverError):
+    """The driver's refusal of a binary (CUDADriverError's own constructor asks libcuda for the name)."""
+
+    def __init__(self) -> None:
+        Exception.__init__(self, "CUDA_ERROR_UNSUPPORTED_PTX_VERSION")
+
+
+def test_a_binary_the_driver_refuses_is_passed_over_for_the_next_entry(cache, monkeypatch):
+    """Without NVRTC, the newest NVRTC's cubin may be one this driver cannot load (a newer toolkit's):
+    the loader takes the next entry rather than compile (it cannot) and fail; with every entry
+    refused it says what to install; with NVRTC it compiles and replaces this NVRTC's entry."""
+    major, minor = _kernels.nvrtc_version()
+    _write_entry(_whole_entry(b"the older NVRTC's cubin"), b"the older NVRTC's cubin")
+    monkeypatch.setattr(_kernels, "nvrtc_version", lambda: (major + 1, 0))
+    _write_entry(_whole_entry(b"the newer NVRTC's cubin"), b"the newer NVRTC's cubin")
+    refused = {b"the newer NVRTC's cubin"}
+
+    def load(compiled):
+        if compiled.binary in refused:
+            raise _Refused
+        return compiled.binary
+
+    def missing():
+        raise _kernels.NvrtcMissing("no NVRTC here: install the cu12 extra")
+
+    monkeypatch.setattr(_launch, "_load_binary", load)
+    monkeypatch.setattr(_kernels, "device_target", lambda device: SM_90)
+    monkeypatch.setattr(_kernels, "nvrtc_version", missing)
+    assert _launch._load(MODULE, 0) == (b"the older NVRTC's cubin", _whole_entry()["names"])
+
+    refused.add(b"the older NVRTC's cubin")
+    with pytest.raises(_kernels.NvrtcMissing, match="install"):
+        _launch._load(MODULE, 0)
+
+    monkeypatch.setattr(_kernels, "nvrtc_version", lambda: (major + 1, 0))
+    compiled = _kernels.compile_module(MODULE, SM_90, cache=False)  # what an NVRTC makes of it
+    monkeypatch.setattr(_kernels, "compile_module", lambda module, target, cache: compiled)
+    assert _launch._load(MODULE, 0) == (compiled.binary, compiled.names)
+    assert _kernels.cached(MODULE, SM_90) == compiled  # this NVRTC's refused entry replaced
+    refused.clear()
+    assert _launch._load(MODULE, 0) == (compiled.binary, compiled.names)  # and loaded from the cache
