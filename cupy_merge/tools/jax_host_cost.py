@@ -146,23 +146,23 @@ def _benchmark_child(calls: int, repeats: int) -> None:
         shape = f"{tokens}x{heads}x{head_size} bf16"
         v_a, v_b = (jax.random.normal(k, (tokens, heads, head_size), jnp.bfloat16) for k in keys[:2])
         s_a, s_b = (jax.random.normal(k, (heads, tokens), jnp.float32) for k in keys[2:])
-        eager_core = per_call(cm.merge_state, v_a, s_a, v_b, s_b)
-        eager_jax = per_call(cmj.merge_state, v_a, s_a, v_b, s_b)
-        eager_add = per_call(add, v_a, v_b)
-        table[f"eager cm.merge_state, {shape}"] = eager_core
-        table[f"eager cupy_merge.jax.merge_state, {shape}"] = eager_jax
-        table[f"eager a + b, {shape}"] = eager_add
-        table[f"  ratio cm.merge_state / (a + b), {shape}"] = f"{eager_core / eager_add:.2f}x"
-        table[f"  ratio cupy_merge.jax.merge_state / (a + b), {shape}"] = f"{eager_jax / eager_add:.2f}x"
-        chain = per_call(jit_chain, v_a, s_a, v_b, s_b)
-        fused = per_call(jit_fused, v_a, v_b)
-        apart = per_call(jit_apart, v_a, v_b)
-        table[f"jit: 8 merges, {shape}"] = chain
-        table[f"jit: 8 a + b (fused by XLA), {shape}"] = fused
-        table[f"jit: 8 a + b (8 kernels), {shape}"] = apart
-        table[f"  ratio 8 merges / 8 a + b (fused), {shape}"] = f"{chain / fused:.2f}x"
-        table[f"  ratio 8 merges / 8 a + b (8 kernels), {shape}"] = f"{chain / apart:.2f}x"
+        merges = {"eager cm.merge_state": per_call(cm.merge_state, v_a, s_a, v_b, s_b),
+                  "eager cupy_merge.jax.merge_state": per_call(cmj.merge_state, v_a, s_a, v_b, s_b)}
+        _rows(table, shape, merges, {"eager a + b": per_call(add, v_a, v_b)})
+        chains = {"jit: 8 merges": per_call(jit_chain, v_a, s_a, v_b, s_b)}
+        _rows(table, shape, chains, {"jit: 8 a + b (fused by XLA)": per_call(jit_fused, v_a, v_b),
+                                     "jit: 8 a + b (8 kernels)": per_call(jit_apart, v_a, v_b)})
     print(json.dumps(table))
+
+
+def _rows(table: dict, shape: str, ours: dict[str, float], yardsticks: dict[str, float]) -> None:
+    """Each time as a row, then each of ours over each yardstick."""
+    for label, us in {**ours, **yardsticks}.items():
+        table[f"{label}, {shape}"] = us
+    for label, us in ours.items():
+        for yardstick, their_us in yardsticks.items():
+            table[f"  ratio {label.removeprefix('eager ')} / {yardstick.removeprefix('eager ')}, {shape}"] = (
+                f"{us / their_us:.2f}x")
 
 
 if __name__ == "__main__":
