@@ -294,17 +294,19 @@ class TorchAdapter(Adapter):
             raise ValueError(f"{name}: expected a tensor with memory, got a null data pointer (freed storage?)")
         return ArrayView(ptr, spec.shape, spec.strides, spec.dtype, spec.itemsize, spec.device)
 
-    def spec(self, obj: Any, name: str, host: bool = False) -> ArraySpec:
-        """What planning needs, without the address: works on fake tensors (``torch.compile``)."""
+    def spec(self, obj: Any, name: str, host: bool = False, meta: bool = False) -> ArraySpec:
+        """What planning needs, without the address: works on fake tensors (``torch.compile``).
+        ``meta``: meta tensors too (the ops' shapes), on :data:`HOST`."""
         torch = torch_module()
         if obj.layout != torch.strided:
             raise TypeError(
                 f"{name}: expected a dense (strided) tensor, got layout {obj.layout}; convert it with .to_dense()"
             )
-        if obj.device.type != "cuda" and not (host and obj.device.type == "cpu"):
-            raise TypeError(
-                f"{name}: expected a torch tensor on a CUDA device, got one on {obj.device}; move it with .cuda()"
-            )
+        where = obj.device.type
+        if where != "cuda" and not (host and where == "cpu") and not (meta and where == "meta"):
+            hint = ("meta tensors have no memory to merge (the registered ops, torch.ops.cupy_merge.*, give the "
+                    "results' shapes on them)") if where == "meta" else "move it with .cuda()"  # fmt: skip
+            raise TypeError(f"{name}: expected a torch tensor on a CUDA device, got one on {obj.device}; {hint}")
         if obj.is_neg() or obj.is_conj():
             raise TypeError(
                 f"{name}: expected a tensor without torch's lazy negation or conjugation (a view such as "

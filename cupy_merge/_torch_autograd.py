@@ -53,6 +53,30 @@ def refuse_written_grad(operation: _ops.Operation, operands: Any) -> None:
             )
 
 
+_REVERSE_ONLY = ("cupy-merge's merges are differentiable in reverse mode only (loss.backward(), "
+                 "torch.autograd.grad, eagerly and under torch.compile): their tangents are not computed")
+
+
+def refuse_tangents(operation: _ops.Operation, operands: Any) -> None:
+    """Forward-mode AD's dual tensors need not require grad, so nothing else would notice one:
+    refuse its tangent rather than return results without theirs."""
+    torch = sys.modules["torch"]
+    for field, tensor in zip(operands._fields, operands):
+        if isinstance(tensor, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(tensor).tangent is not None:
+            raise TypeError(
+                f"{getattr(operation.names, field)}: a dual tensor of forward-mode AD (torch.autograd.forward_ad, "
+                f"torch.func.jvp); {_REVERSE_ONLY}"
+            )
+
+
+def tangents_unseen(operation: _ops.Operation) -> TypeError:
+    """A merge traced inside a forward-mode AD level: its inputs' tangents cannot be seen."""
+    return TypeError(
+        f"{operation.name}: traced (torch.compile, torch.export, ...) inside a forward-mode AD level "
+        f"(torch.autograd.forward_ad.dual_level), where its inputs' tangents cannot be seen; {_REVERSE_ONLY}"
+    )
+
+
 def refuse_traced_grad(operation: _ops.Operation, *inputs: Any) -> None:
     """A functional op put in differentiated compiled code by hand carries no autograd formula of
     its own: say so at trace time (the public functions are differentiable, compiled too)."""

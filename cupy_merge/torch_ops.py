@@ -3,10 +3,10 @@
 Importing this module (``cupy_merge`` does) never imports torch. It registers two hooks with the
 dispatcher:
 
-* the *compiler* hook: while torch traces (``torch.compile``, ``torch.export``, ``make_fx`` or any
-  ``TorchDispatchMode``), a public merge becomes its registered op ``torch.ops.cupy_merge.*``
+* the *compiler* hook: while torch traces (``torch.compile``, ``torch.export``, ``make_fx``,
+  ``torch.jit.trace`` or any ``TorchDispatchMode``), a public merge becomes its registered op ``torch.ops.cupy_merge.*``
   (outputs the caller left out are allocated in the graph), so Dynamo captures the whole graph;
-  eager calls pay one predicate (0.1-0.2 us) and take the NVRTC path as before;
+  eager calls pay one predicate (0.1-0.3 us) and take the NVRTC path as before;
 * the *autograd* hook: a functional merge of tensors that require grad runs through a
   ``torch.autograd.Function`` whose backward runs the merge's backward operation; compiled code
   takes the same Function, with the ops inside it.
@@ -43,11 +43,13 @@ from ._operands import WRITTEN, BackwardOperands
 from ._torch_autograd import (
     function_arguments,
     make_functions,
+    refuse_tangents,
     refuse_traced_grad,
     refuse_undifferentiable,
     refuse_writes_under_grad,
     refuse_written_grad,
     requires_grad,
+    tangents_unseen,
     writes_refused,
 )
 
@@ -181,19 +183,36 @@ _FUNCTIONS: dict[str, Any] = {}  # the autograd.Function classes, made with the 
 # Bound by the first eager look at a loaded torch; never changed while Dynamo traces (it guards on them).
 _dynamo_compiling: Callable[[], bool] | None = None  # torch.compiler.is_dynamo_compiling
 _dispatch_modes: Callable[[], int] = int  # torch._C._len_torch_dispatch_stack
+_jit_tracing: Callable[[], Any] = type(None)  # torch._C._get_tracing_state (None: not tracing)
+
+
+class _NoForwardAD:
+    _current_level = -1
+
+
+_forward_ad: Any = _NoForwardAD  # torch.autograd.forward_ad: _current_level >= 0 inside a dual level
+# refuse_tangents, never compiled by Dynamo on its own (frames Dynamo compiles see fake tensors: no tangents).
+_refuse_tangents: Callable[[Any, Any], None] = refuse_tangents
 
 
 def _compiling() -> bool:
-    """The compiler hook's predicate, run by every merge call: true while torch traces.
+    """The compiler hook's predicate, run by every merge call: true while torch traces, or while
+    forward-mode AD is on (the hook then refuses tangents and hands an untraced call back).
 
     Dynamo (``torch.compile``, strict ``torch.export``) folds ``is_dynamo_compiling()`` to True, so
     nothing of the eager path is traced; ``make_fx``, non-strict export and other tracers push a
-    dispatch mode. In eager code: two calls, 0.1-0.2 us.
+    dispatch mode; ``torch.jit.trace`` sets a tracing state (which it clears inside the ops it
+    records, so their kernels run eagerly). In eager code: three calls and a read, 0.2-0.3 us.
     """
     dynamo = _dynamo_compiling
     if dynamo is None:
         return _first_look()
-    return dynamo() or _dispatch_modes() > 0
+    return dynamo() or _dispatch_modes() > 0 or _jit_tracing() is not None or _forward_ad._current_level >= 0
+
+
+def _tracing() -> bool:
+    """Whether torch traces now (:func:`_compiling` without forward-mode AD)."""
+    return bool(_dynamo_compiling and _dynamo_compiling()) or _dispatch_modes() > 0 or _jit_tracing() is not None
 
 
 def _first_look() -> bool:
@@ -203,7 +222,7 @@ def _first_look() -> bool:
     if _supported(torch) and torch.compiler.is_dynamo_compiling():
         return True  # the first merge of the process met inside Dynamo: it changes no global here
     _bind(torch)
-    return _dispatch_modes() > 0
+    return _compiling()
 
 
 def _supported(torch: Any) -> bool:
@@ -216,14 +235,18 @@ def _never() -> bool:
 
 
 def _bind(torch: Any) -> None:
-    """Define the ops, then bind the predicate's two functions (eager code only). An older torch
+    """Define the ops, then bind the predicate's functions (eager code only). An older torch
     gets no ops: merges then run eagerly as before, never traced."""
-    global _dynamo_compiling, _dispatch_modes
+    global _dynamo_compiling, _dispatch_modes, _jit_tracing, _forward_ad, _refuse_tangents
     if not _supported(torch):
         _dynamo_compiling = _never
         return
     _attach()
     _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", int)
+    _jit_tracing = getattr(torch._C, "_get_tracing_state", type(None))
+    forward_ad = getattr(torch.autograd, "forward_ad", None)
+    _forward_ad = forward_ad if hasattr(forward_ad, "_current_level") else _NoForwardAD
+    _refuse_tangents = torch.compiler.disable(refuse_tangents)
     _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
@@ -386,7 +409,7 @@ def _hint(value: Any) -> int | None:
 
 
 def _spec(tensor: Any, name: str) -> _arrays.ArraySpec | None:
-    spec = _arrays.TORCH.spec(tensor, name, _SPECS_ON_HOST)  # layout, device, lazy bits: as eagerly
+    spec = _arrays.TORCH.spec(tensor, name, _SPECS_ON_HOST, meta=True)  # layout, device, lazy bits: as eagerly
     if all(type(x) is int for x in spec.shape + spec.strides):
         return spec
     hints = [_hint(x) for x in spec.shape + spec.strides]
@@ -452,10 +475,13 @@ def _fake(op: _TorchOp, *args: Any, **kwargs: Any) -> Any:
     torch = sys.modules["torch"]
     operands, options = _from_arguments(op, args, kwargs)
     operation = op.operation
-    if op.form == "in place":
-        refuse_writes_under_grad(operation, *_read(operands))
-    elif op.form == "functional" and not operation.is_backward:
+    if operation.is_backward:
+        if torch.is_grad_enabled() and requires_grad(*_read(operands)):
+            raise _gradients_not_differentiable(operation)
+    elif op.form == "functional":
         refuse_traced_grad(operation, *_read(operands))
+    else:  # in place, or *_out: writes into its arguments
+        refuse_writes_under_grad(operation, *_read(operands))
     _check(operation, options, operands)
     if op.form != "functional":
         return None
@@ -469,6 +495,11 @@ def _compiled_call(operation: _ops.Operation, options: Any, operands: Any, strea
     """The compiler hook: the public merge as its op, outputs left out allocated in the graph."""
     _attach()
     torch = sys.modules["torch"]
+    if _forward_ad._current_level >= 0:
+        if _tracing():  # fake tensors carry no tangent: refused whatever the inputs hold
+            raise tangents_unseen(operation)
+        _refuse_tangents(operation, operands)
+        return _dispatch.eager_call(operation, options, operands, stream)  # no tangent, nothing traced
     primary = operands[2]
     if not isinstance(primary, torch.Tensor):
         if torch.compiler.is_compiling():
@@ -480,10 +511,13 @@ def _compiled_call(operation: _ops.Operation, options: Any, operands: Any, strea
                              operands, stream)  # fmt: skip
     if stream is not None:
         raise ValueError(
-            "stream: a traced merge runs on torch's current stream; pass stream=None and enter "
+            "stream: a merge that torch traces or sees through a dispatch mode (torch.compile, torch.export, "
+            "torch.jit.trace, FlopCounterMode...) runs on torch's current stream; pass stream=None and enter "
             "torch.cuda.stream(s) around the call instead"
         )
     if operation.is_backward:
+        if torch.is_grad_enabled() and requires_grad(*_read(operands)):
+            raise _gradients_not_differentiable(operation)
         return _call_op(torch, _FUNCTIONAL[operation.name], options, operands)
     refuse_written_grad(operation, operands)
     inputs = _read(operands)
@@ -493,7 +527,9 @@ def _compiled_call(operation: _ops.Operation, options: Any, operands: Any, strea
         return None
     if torch.is_grad_enabled() and requires_grad(*inputs):
         refuse_undifferentiable(operation, options, operands)
-        return _FUNCTIONS[operation.name].apply(*function_arguments(operation, options, operands))
+        # Dynamo cannot trace a Function given one tensor twice (merge_state(x, s, x, s)): a view each further time.
+        arguments = _distinct(function_arguments(operation, options, operands))
+        return _FUNCTIONS[operation.name].apply(*arguments)
     if operands.out is None and operands.out_lse is None and operands.output_block_scale is None:
         return _call_op(torch, _FUNCTIONAL[operation.name], options, operands)
     out, out_lse = _merged(torch, operation, options, operands)
@@ -503,17 +539,34 @@ def _compiled_call(operation: _ops.Operation, options: Any, operands: Any, strea
     return out, out_lse
 
 
+def _distinct(arguments: tuple) -> tuple:
+    """``arguments`` with each tensor met again replaced by a view of it (autograd sums their gradients)."""
+    seen: set[int] = set()
+    distinct = []
+    for argument in arguments:
+        if hasattr(argument, "view_as"):
+            if id(argument) in seen:
+                argument = argument.view_as(argument)
+            seen.add(id(argument))
+        distinct.append(argument)
+    return tuple(distinct)
+
+
 # -- autograd ---------------------------------------------------------------------------------------------
+
+
+def _gradients_not_differentiable(operation: _ops.Operation) -> RuntimeError:
+    return RuntimeError(
+        f"{operation.name}: an input requires grad in grad mode (backward(create_graph=True)?); "
+        f"the merges' gradients are not differentiable again"
+    )
 
 
 def _autograd_call(operation: _ops.Operation, options: Any, operands: Any, stream: Any) -> Any:
     """The autograd hook: an eager merge of tensors that require grad, in grad mode."""
     _attach()
     if operation.is_backward:
-        raise RuntimeError(
-            f"{operation.name}: an input requires grad in grad mode (backward(create_graph=True)?); "
-            f"the merges' gradients are not differentiable again"
-        )
+        raise _gradients_not_differentiable(operation)
     refuse_written_grad(operation, operands)
     if not operation.returns:
         raise writes_refused(operation)

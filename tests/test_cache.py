@@ -178,7 +178,7 @@ def test_a_binary_the_driver_refuses_is_passed_over_for_the_next_entry(cache, mo
     """Without NVRTC, the newest NVRTC's cubin may be one this driver cannot load (a newer toolkit's):
     the loader takes the next entry rather than compile (it cannot) and fail; with every entry
     refused it says what to install; with NVRTC it compiles and replaces this NVRTC's entry."""
-    major, minor = _kernels.nvrtc_version()
+    major, _ = _kernels.nvrtc_version()
     _write_entry(_whole_entry(b"the older NVRTC's cubin"), b"the older NVRTC's cubin")
     monkeypatch.setattr(_kernels, "nvrtc_version", lambda: (major + 1, 0))
     _write_entry(_whole_entry(b"the newer NVRTC's cubin"), b"the newer NVRTC's cubin")
