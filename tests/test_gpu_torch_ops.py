@@ -518,3 +518,24 @@ def test_the_torch_compile_example_runs():
                             capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
+
+
+def test_a_jit_trace_merges_new_inputs_and_a_dual_tensor_is_refused():
+    """torch.jit.trace records the op (its kernel, the eager merge, runs inside the tracer's op);
+    forward-mode AD's dual tensors are refused, eagerly and compiled, never merged without tangents."""
+    import torch.autograd.forward_ad as fwAD
+
+    traced = torch.jit.trace(lambda *a: cm.merge_state(*a), tuple(states()), check_trace=False)
+    assert "cupy_merge::merge_state" in str(traced.graph)
+    fresh = states()
+    v, s = traced(*fresh)
+    want_v, want_s = reference.merge_state(*map(host, fresh))
+    assert relative_error(to_host(v), want_v) < TOLERANCE[torch.bfloat16]
+    assert relative_error(to_host(s), want_s) < 1e-5
+    v_a, s_a, v_b, s_b = states()
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(s_a, torch.ones_like(s_a))
+        with pytest.raises(TypeError, match="s_a: a dual tensor of forward-mode AD"):
+            cm.merge_state(v_a, dual, v_b, s_b)
+        with pytest.raises(Exception, match="s_a: a dual tensor of forward-mode AD"):
+            torch.compile(lambda *a: cm.merge_state(*a))(v_a, dual, v_b, s_b)
