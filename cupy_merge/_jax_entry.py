@@ -83,11 +83,27 @@ def _call(route: _Route, arrays: tuple) -> tuple:
     _check_placement(passed[:1], route.names)
     if route.scale >= 0:
         scale = passed[route.scale]
-        if type(scale) in (float, int):
+        if isinstance(scale, (float, int)) and not isinstance(scale, bool):  # NumPy's float64 too: a float
             passed = (*passed[: route.scale], numpy.float32(scale), *passed[route.scale + 1 :])
         elif getattr(scale, "weak_type", False) and scale.dtype.kind in "fiu":  # a Python number, traced
             passed = (*passed[: route.scale], scale.astype(numpy.float32), *passed[route.scale + 1 :])
-    return route.function(*passed)
+    try:
+        return route.function(*passed)
+    except (AttributeError, TypeError, ValueError) as error:
+        _refuse_sequences(passed, route.names)
+        if "output_block_scale" not in route.names:  # group scales asked for by quant_group_size
+            _raise_in_jax_words(error)
+        raise
+
+
+def _refuse_sequences(arrays: tuple, names: tuple) -> None:
+    """A Python list or tuple where an array goes (JAX reads it as a tree of scalars, and the trace
+    fails naming no argument): refused by its name, as ``jax.numpy`` refuses lists."""
+    for x, name in zip(arrays, names):
+        if isinstance(x, (list, tuple)):
+            raise TypeError(
+                f"{name}: expected a JAX array, got a Python {type(x).__name__}; pass jax.numpy.asarray({name})"
+            )
 
 
 def _has_cuda_devices() -> bool:
@@ -334,8 +350,32 @@ def _merge(operation: _dispatch.Operation, arguments: dict, in_place: bool = Fal
         if block_scale is None and (arguments.get("quant_group_size") is not None or nvfp4):
             block_scale = _FRESH_SCALES  # the merge allocates the group (or NVFP4 block) scales
         given = dict(zip(point.options, values))
-        options = operation.options(**given, output_block_scale=None if block_scale is None else True)
-        operands = type(names)._make((*arrays[:-1], block_scale))
-        return _route(operation, options, operands, in_place)
+        try:
+            options = operation.options(**given, output_block_scale=None if block_scale is None else True)
+        except (TypeError, ValueError) as error:
+            if arrays[-1] is None:  # the caller asked for group scales by quant_group_size, not by array
+                _raise_in_jax_words(error)
+            raise
+        return _route(operation, options, type(names)._make((*arrays[:-1], block_scale)), in_place)
 
     return _run(key, arrays, slow)
+
+
+#: The core's words for group scales the caller passes, and the JAX merges' (which allocate them).
+_GROUP_SCALE_WORDS = (
+    ("output_block_scale: a scale is for", "quant_group_size: group scales are for"),
+    ("without output_block_scale", "without quant_group_size"),
+    ("no output_block_scale given", 'out_dtype is not "nvfp4"'),
+)
+
+
+def _raise_in_jax_words(error: Exception) -> None:
+    """Raise the core's error about ``output_block_scale`` again in the words of a JAX call that did
+    not pass it (it asks for group scales by ``quant_group_size``); other errors are left alone."""
+    if type(error) not in (TypeError, ValueError):
+        return
+    message = str(error)
+    for core, jax in _GROUP_SCALE_WORDS:
+        message = message.replace(core, jax)
+    if message != str(error):
+        raise type(error)(message) from None

@@ -1371,6 +1371,8 @@ def test_a_python_float_scale_is_taken_as_float32_with_x64_enabled(numpy_kernels
             got_v, got_s = merge(v_a, s_a, v_b, s_b, out_dtype=FP8, output_scale=0.5)
             _close(got_v, want_fp8)
             _close(got_s, want_s)
+        for merge in (cmj.merge_state, cm.merge_state):  # NumPy's float64 is a float (calibration code gives one)
+            _close(merge(v_a, s_a, v_b, s_b, out_dtype=FP8, output_scale=np.float64(0.5))[0], want_fp8)
         scaled = jax.jit(lambda c: cmj.merge_states(jnp.stack([v_a, v_b]), jnp.stack([s_a, s_b]), out_dtype=FP8,
                                                     output_scale=c))  # fmt: skip
         got_v, _ = scaled(0.5)  # a weakly typed float64 tracer
@@ -1386,6 +1388,37 @@ def test_a_python_int_scale_is_taken_as_float32_eagerly_and_as_a_jit_argument(nu
     with _x64() if x64 else contextlib.nullcontext():
         _close(cmj.merge_state(v_a, s_a, v_b, s_b, out_dtype=FP8, output_scale=2)[0], want_fp8)
         _close(scaled(2)[0], want_fp8)  # a weakly typed int tracer
+
+
+SEQUENCES = {
+    "indptr": lambda v, s, w, t: cmj.merge_states_varlen(v, s, [0, 2, 4], check_indptr=False),
+    "indptr ": lambda v, s, w, t: cmj.merge_states_varlen(v, s, (0, 2, 4)),  # checked on the host by default
+    "sinks": lambda v, s, w, t: cmj.merge_state(v, s, w, t, sinks=[0.25, -0.5]),
+    "mask": lambda v, s, w, t: cmj.merge_state_in_place(v, s, w, t, [True] * 4),
+    "output_scale": lambda v, s, w, t: cmj.merge_state(v, s, w, t, out_dtype=FP8, output_scale=[0.5]),
+    "sinks  ": lambda v, s, w, t: cm.merge_state(v, s, w, t, sinks=(0.25, -0.5)),  # the dispatcher's JAX path
+}
+
+
+@pytest.mark.parametrize("case", SEQUENCES)
+def test_a_python_list_where_an_array_goes_is_refused_by_its_name(numpy_kernels, rng, case):
+    """JAX reads a list as a tree of scalars: the trace failed with "'list' object has no attribute
+    'shape'", naming no argument."""
+    name = case.strip()
+    with pytest.raises(TypeError, match=rf"^{name}: expected a JAX array, got a Python (list|tuple)"):
+        SEQUENCES[case](*_states(rng, 4, 2, 8))
+
+
+def test_group_scale_errors_name_what_a_jax_call_passes(numpy_kernels, rng):
+    """A JAX merge asks for group scales by quant_group_size (it allocates them): its errors named
+    output_block_scale, which the caller never passed."""
+    v_a, s_a, v_b, s_b = _states(rng, 4, 2, 16)
+    with pytest.raises(TypeError, match=r"^quant_group_size: group scales are for an FP8 .* out is float32"):
+        cmj.merge_state(v_a, s_a, v_b, s_b, quant_group_size=16)
+    with pytest.raises(ValueError, match=r"^scale_ue8m0: given without quant_group_size \(it rounds"):
+        cmj.merge_state(v_a, s_a, v_b, s_b, out_dtype=FP8, output_scale=1.0, scale_ue8m0=True)
+    with pytest.raises(ValueError, match=r'^is_sf_swizzled_layout: .*; out_dtype is not "nvfp4"'):
+        cmj.merge_state(v_a, s_a, v_b, s_b, is_sf_swizzled_layout=False)
 
 
 def test_a_jax_array_on_the_cpu_is_refused_by_name_before_anything_runs(monkeypatch, rng):
