@@ -191,8 +191,9 @@ class _NoForwardAD:
 
 
 _forward_ad: Any = _NoForwardAD  # torch.autograd.forward_ad: _current_level >= 0 inside a dual level
-# refuse_tangents, never compiled by Dynamo on its own (frames Dynamo compiles see fake tensors: no tangents).
-_refuse_tangents: Callable[[Any, Any], None] = refuse_tangents
+# refuse_tangents, never compiled by Dynamo on its own (frames Dynamo compiles see fake tensors: no
+# tangents); made at its first use, as torch.compiler.disable imports Dynamo (a second at import).
+_refuse_tangents: Callable[[Any, Any], None] | None = None
 
 
 def _compiling() -> bool:
@@ -237,7 +238,7 @@ def _never() -> bool:
 def _bind(torch: Any) -> None:
     """Define the ops, then bind the predicate's functions (eager code only). An older torch
     gets no ops: merges then run eagerly as before, never traced."""
-    global _dynamo_compiling, _dispatch_modes, _jit_tracing, _forward_ad, _refuse_tangents
+    global _dynamo_compiling, _dispatch_modes, _jit_tracing, _forward_ad
     if not _supported(torch):
         _dynamo_compiling = _never
         return
@@ -246,7 +247,6 @@ def _bind(torch: Any) -> None:
     _jit_tracing = getattr(torch._C, "_get_tracing_state", type(None))
     forward_ad = getattr(torch.autograd, "forward_ad", None)
     _forward_ad = forward_ad if hasattr(forward_ad, "_current_level") else _NoForwardAD
-    _refuse_tangents = torch.compiler.disable(refuse_tangents)
     _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
@@ -498,7 +498,7 @@ def _compiled_call(operation: _ops.Operation, options: Any, operands: Any, strea
     if _forward_ad._current_level >= 0:
         if _tracing():  # fake tensors carry no tangent: refused whatever the inputs hold
             raise tangents_unseen(operation)
-        _refuse_tangents(operation, operands)
+        _refuse_eagerly(operation, operands)
         return _dispatch.eager_call(operation, options, operands, stream)  # no tangent, nothing traced
     primary = operands[2]
     if not isinstance(primary, torch.Tensor):
@@ -537,6 +537,13 @@ def _compiled_call(operation: _ops.Operation, options: Any, operands: Any, strea
     out_lse = out_lse if operands.out_lse is None else operands.out_lse
     _call_op(torch, _INTO[operation.name], options, operands._replace(out=out, out_lse=out_lse))
     return out, out_lse
+
+
+def _refuse_eagerly(operation: _ops.Operation, operands: Any) -> None:
+    global _refuse_tangents
+    if _refuse_tangents is None:
+        _refuse_tangents = sys.modules["torch"].compiler.disable(refuse_tangents)
+    _refuse_tangents(operation, operands)
 
 
 def _distinct(arguments: tuple) -> tuple:

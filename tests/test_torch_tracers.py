@@ -166,3 +166,15 @@ def test_one_state_twice_is_differentiable_under_fullgraph_compile(cpu_kernels, 
     assert_reference(merged, reference.merge_state(f64(v), f64(s), f64(v), f64(s))[0])
     assert_reference(v.grad, want[0] + want[2])
     assert_reference(s.grad, want[1] + want[3])
+
+
+def test_importing_cupy_merge_after_torch_leaves_dynamo_unloaded():
+    """The forward-mode refusal's Dynamo-proof wrapper (torch.compiler.disable imports Dynamo, a
+    second) is made at its first use, not when the ops are defined."""
+    import subprocess
+    import sys
+
+    code = "import sys, torch, cupy_merge; cupy_merge.torch_ops.ops(); print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"]
