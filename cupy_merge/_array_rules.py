@@ -162,12 +162,18 @@ def expect_token_mask(spec: ArraySpec, num_tokens: int, device: int, name: str, 
 
 
 def expect_sinks(spec: ArraySpec, num_heads: int, device: int, name: str, like_name: str) -> None:
-    """Attention sinks: float32 ``[num_heads]`` logits, any stride."""
+    """Attention sinks: float32 ``[num_heads]`` logits, any stride the kernels' 32-bit one holds."""
     expect_ndim(spec, 1, name, "[num_heads]")
     expect_float32(spec, name, "float32 sink logits")
     expect_shape(spec, (num_heads,), name, f"num_heads of {like_name}")
     expect_device(spec, device, name, like_name)
     expect_aligned(spec, name)
+    stride = spec.strides[0]
+    if num_heads > 1 and not -(2**31) <= stride < 2**31:
+        raise ValueError(
+            f"{name}: expected a stride within 32 bits (the kernels read the sinks by an int), got {stride} "
+            f"elements; pass a contiguous copy ({num_heads} floats)"
+        )
 
 
 def expect_index_array(spec: ArraySpec, name: str) -> None:

@@ -67,9 +67,9 @@ def check_outputs(
     expect_ndim(out, 3, out_name, VALUES_LAYOUT)
     expect_output_dtype(out, out_name)
     if out.dtype == NVFP4:
-        if state.head_size % NVFP4_BLOCK:
+        if state.head_size % NVFP4_BLOCK or not state.head_size:
             raise ValueError(
-                f"{out_name}: an NVFP4 output needs a head_size that is a multiple of {NVFP4_BLOCK} (a block "
+                f"{out_name}: an NVFP4 output needs a head_size that is a positive multiple of {NVFP4_BLOCK} (a block "
                 f"scale per {NVFP4_BLOCK} values), got head_size {state.head_size}"
             )
         shape = (state.num_tokens, state.num_heads, state.head_size // 2)

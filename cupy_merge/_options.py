@@ -41,7 +41,7 @@ def value_dtype_name(dtype: Any, name: str = "out_dtype", allowed: dict = VALUE_
             import numpy
 
             text = numpy.dtype(dtype).name
-        except TypeError:
+        except (TypeError, ValueError, SyntaxError):  # NumPy parses strings as dtype specs: ",", "f4,(1"...
             pass
     if text not in allowed:
         raise TypeError(f"{name}: expected {_dtype_list(allowed)}, got {dtype!r}")

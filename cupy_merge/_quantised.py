@@ -113,6 +113,8 @@ def check_quantisation(
         raise TypeError(
             f"{name}: one-byte block scales ({group_scale.dtype}) are NVFP4's; FP8 group scales are float32"
         )
+    if not state.head_size:
+        raise ValueError("quant_group_size: group scales need a head_size of 1 or more, got head_size 0 (no values)")
     if state.head_size % group_size:
         raise ValueError(f"quant_group_size: expected a divisor of head_size {state.head_size}, got {group_size}")
     layout = "[num_tokens, num_heads * head_size / quant_group_size]"

@@ -365,7 +365,7 @@ def test_bad_nvfp4_arguments_raise_before_anything_runs(rng):
     with pytest.raises(ValueError, match="^output_block_scale: expected shape"):
         cm.merge_attn_states(out, v_a, s_a, v_b, s_b, output_scale=scale, output_block_scale=scales[:64])
     v40 = to_device(rng.standard_normal((tokens, heads, 40)), "bfloat16")
-    with pytest.raises(ValueError, match="^output: an NVFP4 output needs a head_size that is a multiple of 16"):
+    with pytest.raises(ValueError, match="^output: an NVFP4 output needs a head_size that is a positive multiple of 16"):
         cm.merge_attn_states(cupy.zeros((tokens, heads, 20), cupy.uint8), v40, s_a, v40, s_b,
                              output_scale=scale, output_block_scale=scales)  # fmt: skip
     assert (_bytes(out) == POISON).all() and (_bytes(scales) == POISON).all()

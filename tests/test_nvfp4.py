@@ -195,7 +195,7 @@ def test_bad_nvfp4_calls_raise_naming_the_argument(changes, options, error, word
 
 def test_a_head_size_not_a_multiple_of_16_is_refused_naming_the_output():
     arrays = _two_way(head_size=40)._replace(out=view((TOKENS, HEADS, 20), NVFP4, ptr=1 << 32))
-    with pytest.raises(ValueError, match="^output: an NVFP4 output needs a head_size that is a multiple of 16"):
+    with pytest.raises(ValueError, match="^output: an NVFP4 output needs a head_size that is a positive multiple of 16"):
         _planned(arrays)
 
 
