@@ -84,17 +84,21 @@ def quant_group(group_size: Any, block_scale: Any, scale_ue8m0: Any) -> tuple[in
         return None, 0
     if group_size is None:  # FP8 needs it, NVFP4 has 16 (the checks know which the output is)
         return None, int(ue8m0)
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
+    if isinstance(group_size, bool) or not (isinstance(group_size, int) or type(group_size).__module__ == "numpy"):
         raise TypeError(f"quant_group_size: expected an int, got {type(group_size).__name__}")
+    try:
+        group_size = operator.index(group_size)  # a NumPy integer as a Python int, as the token counts take it
+    except TypeError:
+        raise TypeError(f"quant_group_size: expected an int, got {type(group_size).__name__}") from None
     if not 1 <= group_size <= MAX_QUANT_GROUP:
         raise ValueError(f"quant_group_size: expected 1 to {MAX_QUANT_GROUP}, got {group_size}")
     return group_size, int(ue8m0)
 
 
 def token_count(value: Any, name: str = "prefill_tokens_with_context") -> int | None:
-    """``None`` or a non-negative Python or NumPy integer, as a Python int.
+    """``None`` or a non-negative Python or NumPy integer (a 0-d NumPy array too), as a Python int.
 
-    Arrays and tensors are refused: their value would be read on the host (a
+    Device arrays and tensors are refused: their value would be read on the host (a
     synchronisation) and could change after the call was planned.
     """
     if value is None:

@@ -87,3 +87,12 @@ def test_an_out_dtype_numpy_cannot_parse_is_refused_by_name(out_dtype):
     for builder in (_options.two_state_options, _options.many_state_options):
         with pytest.raises(TypeError, match=r"^out_dtype: expected"):
             builder(out_dtype=out_dtype)
+
+
+def test_a_numpy_integer_group_size_is_taken_as_the_token_counts_are():
+    import numpy as np
+
+    for builder in (_options.two_state_options, _options.many_state_options):
+        assert builder(output_block_scale=object(), quant_group_size=np.int64(32)).group_size == 32
+        with pytest.raises(TypeError, match=r"^quant_group_size: expected an int, got float32"):
+            builder(output_block_scale=object(), quant_group_size=np.float32(32))
