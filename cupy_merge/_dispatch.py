@@ -124,6 +124,7 @@ _compiled_call: Callable[..., Any] | None = None
 _jax_call: Callable[..., Any] | None = None
 _grad_enabled: Callable[[], bool] = _never
 _autograd_call: Callable[..., Any] | None = None
+refuse_forward_mode_hook: Callable[[Operation, Operands], None] = lambda operation, operands: None
 
 
 def register_compiler(compiling: Callable[[], bool], compiled_call: Callable[..., Any]) -> None:
@@ -132,11 +133,13 @@ def register_compiler(compiling: Callable[[], bool], compiled_call: Callable[...
     _compiling, _compiled_call = compiling, compiled_call
 
 
-def register_autograd(grad_enabled: Callable[[], bool], autograd_call: Callable[..., Any]) -> None:
+def register_autograd(grad_enabled: Callable[[], bool], autograd_call: Callable[..., Any],
+                      refuse_forward_mode: Callable[[Operation, Operands], None]) -> None:
     """Hand calls whose inputs require grad, while ``grad_enabled()``, to
-    ``autograd_call(operation, options, operands, stream)`` (torch autograd)."""
-    global _grad_enabled, _autograd_call
-    _grad_enabled, _autograd_call = grad_enabled, autograd_call
+    ``autograd_call(operation, options, operands, stream)`` (torch autograd); ``refuse_forward_mode``
+    refuses tangents of forward-mode AD for what binds outside :func:`call` (:func:`cupy_merge.bind`)."""
+    global _grad_enabled, _autograd_call, refuse_forward_mode_hook
+    _grad_enabled, _autograd_call, refuse_forward_mode_hook = grad_enabled, autograd_call, refuse_forward_mode
 
 
 def grad_enabled() -> bool:

@@ -295,7 +295,12 @@ def _apply_backward(operation: _dispatch.Operation, options: Any, operands: Back
             return _backward_call(operation, options, tuning, fields, dict(zip(fields, arrays)))
 
         function = remember(_jitted, key, _jax().jax.jit(backward))
-    grads = list(function(*(getattr(operands, field) for field in fields)))
+    arrays = tuple(getattr(operands, field) for field in fields)
+    try:
+        grads = list(function(*arrays))
+    except (AttributeError, TypeError):
+        _refuse_sequences(arrays, tuple(getattr(names, field) for field in fields))
+        raise
     if operands.sinks is None:
         grads.append(None)  # grad_sinks
     return tuple(grads)

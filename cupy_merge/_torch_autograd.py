@@ -62,7 +62,13 @@ def refuse_tangents(operation: _ops.Operation, operands: Any) -> None:
     refuse its tangent rather than return results without theirs."""
     torch = sys.modules["torch"]
     for field, tensor in zip(operands._fields, operands):
-        if isinstance(tensor, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(tensor).tangent is not None:
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        try:
+            tangent = torch.autograd.forward_ad.unpack_dual(tensor).tangent
+        except RuntimeError:  # below autograd (a compiled graph's kernel): no tangent can be read there
+            return
+        if tangent is not None:
             raise TypeError(
                 f"{getattr(operation.names, field)}: a dual tensor of forward-mode AD (torch.autograd.forward_ad, "
                 f"torch.func.jvp); {_REVERSE_ONLY}"

@@ -46,6 +46,7 @@ def _bind_operation(operation: _dispatch.Operation, signature: inspect.Signature
     accepted = inspect.signature(operation.options).parameters
     options = operation.options(**{name: value for name, value in given.items() if name in accepted})
     prepared = _dispatch.prepare(operation, options, operands, _tuning.current())
+    _dispatch.refuse_forward_mode_hook(operation, operands)
     if prepared.grad and _dispatch.grad_enabled():
         field = _dispatch.requiring_grad(operands)[0]
         what = f"{getattr(operation.names, field)} requires grad" if field in WRITTEN else "an input requires grad"

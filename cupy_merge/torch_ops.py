@@ -258,7 +258,7 @@ def _attach() -> None:
         if _LIB is None:
             torch = sys.modules["torch"]
             if not _FUNCTIONS:
-                _FUNCTIONS.update(make_functions(torch, _compiling))
+                _FUNCTIONS.update(make_functions(torch, _tracing))
             if _supported(torch):
                 _define(torch)
 
@@ -495,11 +495,12 @@ def _compiled_call(operation: _ops.Operation, options: Any, operands: Any, strea
     """The compiler hook: the public merge as its op, outputs left out allocated in the graph."""
     _attach()
     torch = sys.modules["torch"]
-    if _forward_ad._current_level >= 0:
-        if _tracing():  # fake tensors carry no tangent: refused whatever the inputs hold
+    if _forward_ad._current_level >= 0:  # a dual level is open (in some thread: torch keeps one)
+        if _dynamo_compiling is not None and _dynamo_compiling():  # fake tensors: no tangent to see
             raise tangents_unseen(operation)
-        _refuse_eagerly(operation, operands)
-        return _dispatch.eager_call(operation, options, operands, stream)  # no tangent, nothing traced
+        refuse_forward_mode(operation, operands)
+        if not _tracing():
+            return _dispatch.eager_call(operation, options, operands, stream)
     primary = operands[2]
     if not isinstance(primary, torch.Tensor):
         if torch.compiler.is_compiling():
@@ -518,6 +519,12 @@ def _compiled_call(operation: _ops.Operation, options: Any, operands: Any, strea
     if operation.is_backward:
         if torch.is_grad_enabled() and requires_grad(*_read(operands)):
             raise _gradients_not_differentiable(operation)
+        if _jit_tracing() is not None:
+            raise TypeError(
+                f"{operation.name}: torch.jit.trace cannot record the backward merges (their optional "
+                f"grad_sinks result, Tensor?, is no type the tracer takes); trace with torch.compile or "
+                f"torch.export, or call it outside the trace"
+            )
         return _call_op(torch, _FUNCTIONAL[operation.name], options, operands)
     refuse_written_grad(operation, operands)
     inputs = _read(operands)
@@ -539,8 +546,12 @@ def _compiled_call(operation: _ops.Operation, options: Any, operands: Any, strea
     return out, out_lse
 
 
-def _refuse_eagerly(operation: _ops.Operation, operands: Any) -> None:
+def refuse_forward_mode(operation: _ops.Operation, operands: Any) -> None:
+    """Refuse the operands' tangents while a dual level is open (the dispatcher's hook for calls that
+    bypass the compiler hook, :func:`cupy_merge.bind`)."""
     global _refuse_tangents
+    if _forward_ad._current_level < 0:
+        return
     if _refuse_tangents is None:
         _refuse_tangents = sys.modules["torch"].compiler.disable(refuse_tangents)
     _refuse_tangents(operation, operands)
@@ -587,6 +598,6 @@ def _autograd_call(operation: _ops.Operation, options: Any, operands: Any, strea
 
 
 _dispatch.register_compiler(_compiling, _compiled_call)
-_dispatch.register_autograd(_grad_enabled, _autograd_call)
+_dispatch.register_autograd(_grad_enabled, _autograd_call, refuse_forward_mode)
 if "torch" in sys.modules and hasattr(sys.modules["torch"], "library"):
     _bind(sys.modules["torch"])  # torch came first: the ops exist from now on

@@ -203,7 +203,11 @@ def test_a_binary_the_driver_refuses_is_passed_over_for_the_next_entry(cache, mo
 
     monkeypatch.setattr(_kernels, "nvrtc_version", lambda: (major + 1, 0))
     compiled = _kernels.compile_module(MODULE, SM_90, cache=False)  # what an NVRTC makes of it
-    monkeypatch.setattr(_kernels, "compile_module", lambda module, target, cache: compiled)
+
+    def compile_module(module, target, *, cache=True):  # reads the cache where asked, as the real one
+        return (cache and _kernels.cached(module, target)) or compiled
+
+    monkeypatch.setattr(_kernels, "compile_module", compile_module)
     assert _launch._load(MODULE, 0) == (compiled.binary, compiled.names)
     assert _kernels.cached(MODULE, SM_90) == compiled  # this NVRTC's refused entry replaced
     refused.clear()

@@ -96,3 +96,28 @@ def test_a_numpy_integer_group_size_is_taken_as_the_token_counts_are():
         assert builder(output_block_scale=object(), quant_group_size=np.int64(32)).group_size == 32
         with pytest.raises(TypeError, match=r"^quant_group_size: expected an int, got float32"):
             builder(output_block_scale=object(), quant_group_size=np.float32(32))
+
+
+@pytest.mark.parametrize("stride, refused", [(2**31 - 1, False), (-(2**31), False), (-(2**31) - 1, True), (2**31, True)])
+def test_sinks_strides_at_the_32_bit_edges(stride, refused):
+    v, s = spec((T, H, D)), spec((H, T), "float32")
+    operands = TwoStateOperands(None, None, v, s, v, s, sinks=spec((H,), "float32", strides=(stride,)))
+    if refused:
+        with pytest.raises(ValueError, match="^sinks: expected a stride within 32 bits"):
+            _dispatch.check_specs(_ops.MERGE_STATE, _ops.MERGE_STATE.options(), operands)
+    else:
+        _dispatch.check_specs(_ops.MERGE_STATE, _ops.MERGE_STATE.options(), operands)
+
+
+def test_one_heads_sinks_take_any_stride():
+    """The kernels never read a one-head array's stride (the planner passes 0)."""
+    v, s = spec((T, 1, D)), spec((1, T), "float32")
+    operands = TwoStateOperands(None, None, v, s, v, s, sinks=spec((1,), "float32", strides=(2**40,)))
+    _dispatch.check_specs(_ops.MERGE_STATE, _ops.MERGE_STATE.options(), operands)
+
+
+def test_an_array_group_size_is_refused():
+    import numpy as np
+
+    with pytest.raises(TypeError, match="^quant_group_size: expected an int, got ndarray"):
+        _options.two_state_options(output_block_scale=object(), quant_group_size=np.array([32]))

@@ -1409,6 +1409,14 @@ def test_a_python_list_where_an_array_goes_is_refused_by_its_name(numpy_kernels,
         SEQUENCES[case](*_states(rng, 4, 2, 8))
 
 
+def test_a_python_list_in_a_backward_merge_is_refused_by_its_name(numpy_kernels, rng):
+    v_a, s_a, v_b, s_b = _states(rng, 4, 2, 8)
+    with pytest.raises(TypeError, match=r"^grad_v: expected a JAX array, got a Python list"):
+        cm.merge_state_backward(v_a, s_a, v_b, s_b, np.ones((4, 2, 8)).tolist())
+    with pytest.raises(TypeError, match=r"^sinks: expected a JAX array, got a Python list"):
+        cm.merge_state_backward(v_a, s_a, v_b, s_b, jnp.ones((4, 2, 8)), sinks=[0.25, -0.5])
+
+
 def test_group_scale_errors_name_what_a_jax_call_passes(numpy_kernels, rng):
     """A JAX merge asks for group scales by quant_group_size (it allocates them): its errors named
     output_block_scale, which the caller never passed."""
@@ -1419,6 +1427,10 @@ def test_group_scale_errors_name_what_a_jax_call_passes(numpy_kernels, rng):
         cmj.merge_state(v_a, s_a, v_b, s_b, out_dtype=FP8, output_scale=1.0, scale_ue8m0=True)
     with pytest.raises(ValueError, match=r'^is_sf_swizzled_layout: .*; out_dtype is not "nvfp4"'):
         cmj.merge_state(v_a, s_a, v_b, s_b, is_sf_swizzled_layout=False)
+    with pytest.raises(TypeError, match=r"^output_block_scale: "):  # given, it keeps its own name
+        cmj.merge_state(v_a, s_a, v_b, s_b, output_block_scale=jnp.zeros((4, 2), jnp.float32), quant_group_size=16)
+    with pytest.raises(TypeError, match=r"^output_scale: "):  # a bool is no scale
+        cmj.merge_state(v_a, s_a, v_b, s_b, out_dtype=FP8, output_scale=True)
 
 
 def test_a_jax_array_on_the_cpu_is_refused_by_name_before_anything_runs(monkeypatch, rng):

@@ -178,3 +178,81 @@ def test_importing_cupy_merge_after_torch_leaves_dynamo_unloaded():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False"]
+
+
+# -- inside a dual level: tensors without tangents merge as anywhere --------------------------------------
+
+
+def test_plain_tensors_merge_inside_a_dual_level_under_modes_tracers_and_threads(cpu_kernels, rng):  # noqa: F811
+    """torch keeps one dual level for the process: a dispatch mode, torch.jit.trace or make_fx inside
+    it (or beside it, in another thread) sees real tensors and refuses only tangents."""
+    import threading
+
+    import torch.autograd.forward_ad as fwAD
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils.flop_counter import FlopCounterMode
+
+    arrays = states(rng)
+    want_v, want_s = reference.merge_state(*map(f64, arrays))
+    with fwAD.dual_level():
+        with FlopCounterMode(display=False):
+            assert_reference(cm.merge_state(*arrays)[0], want_v)
+        traced = torch.jit.trace(lambda *a: cm.merge_state(*a), tuple(arrays), check_trace=False)
+        assert_reference(traced(*arrays)[1], want_s)
+        assert_reference(make_fx(lambda *a: cm.merge_state(*a))(*arrays)(*arrays)[0], want_v)
+        with pytest.raises(TypeError, match="v_b: a dual tensor of forward-mode AD"):
+            torch.jit.trace(lambda *a: cm.merge_state(*a), (*arrays[:2], fwAD.make_dual(arrays[2], arrays[0]),
+                                                               arrays[3]), check_trace=False)  # fmt: skip
+    entered, leave = threading.Event(), threading.Event()
+
+    def other_thread():
+        with fwAD.dual_level():
+            entered.set()
+            leave.wait(30)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        assert entered.wait(30)
+        with FlopCounterMode(display=False):
+            assert_reference(cm.merge_state(*arrays)[0], want_v)
+    finally:
+        leave.set()
+        thread.join()
+
+
+def test_a_dual_level_keeps_the_callers_tuning_for_the_backward(eager_stand_in, rng):  # noqa: F811
+    import torch.autograd.forward_ad as fwAD
+
+    from cupy_merge import _tuning
+
+    tuning = _tuning.DEFAULT.replace(min_blocks=7)
+    arrays = states(rng, requires_grad=True)
+    with fwAD.dual_level(), _tuning.use(tuning):
+        merged, lse = cm.merge_state(*arrays)
+        assert merged.grad_fn.tuning == tuning
+        torch.autograd.backward([merged, lse], [torch.ones_like(merged), torch.ones_like(lse)])
+    want = reference.merge_state_backward(*map(f64, arrays), np.ones(merged.shape), np.ones(lse.shape))
+    for array, gradient in zip(arrays, want):
+        assert_reference(array.grad, gradient)
+
+
+def test_bind_and_the_outputs_refuse_dual_tensors_by_name(eager_stand_in, rng):  # noqa: F811
+    import torch.autograd.forward_ad as fwAD
+
+    v_a, s_a, v_b, s_b = states(rng)
+    with fwAD.dual_level():
+        with pytest.raises(TypeError, match="v_a: a dual tensor of forward-mode AD"):
+            cm.bind(cm.merge_state, fwAD.make_dual(v_a, v_b), s_a, v_b, s_b)
+        with pytest.raises(TypeError, match="output: a dual tensor of forward-mode AD"):
+            cm.merge_attn_states(fwAD.make_dual(torch.empty_like(v_a), v_b), v_a, s_a, v_b, s_b)
+    assert not eager_stand_in
+
+
+def test_a_jit_trace_of_a_backward_merge_is_refused_before_it_runs(public_kernels, rng):
+    """The backward ops return ``Tensor?`` (grad_sinks), which the tracer cannot record: it ran the
+    kernel, then failed with "unsupported output type"."""
+    v_a, s_a, v_b, s_b = states(rng)
+    with pytest.raises(TypeError, match="merge_state_backward: torch.jit.trace cannot record the backward merges"):
+        torch.jit.trace(lambda *a: cm.merge_state_backward(*a)[:2], (v_a, s_a, v_b, s_b, v_a), check_trace=False)
+    assert not public_kernels
