@@ -5,7 +5,8 @@ variant is checked against FlashInfer's result, then timed paired with FlashInfe
 same process (CUDA events, L2 flushed, the median of 3 rounds), with a same-bytes copy.
 The predictions being tested: docs/PERF.md, session 28 (a helper's static analysis).
 
-Usage (device, carry .anchors): python3 .ci/fi_miss_sweep.py; python3 .ci/fi_miss_sweep.py --branching
+Usage (device, carry .anchors): python3 .ci/fi_miss_sweep.py [--ragged: the ragged cases only];
+python3 .ci/fi_miss_sweep.py --branching
 """
 
 import functools
@@ -30,10 +31,11 @@ N_WAY_VARIANTS = {
 }
 RAGGED_VARIANTS = {
     "default": DEFAULT,
-    "busy 1<<19": DEFAULT.replace(busy_threads=1 << 19),
-    "busy 1<<20": DEFAULT.replace(busy_threads=1 << 20),
-    "busy 1<<21": DEFAULT.replace(busy_threads=1 << 21),
+    "no ragged floor (session 30)": DEFAULT.replace(ragged_min_splits=1),
+    "ragged floor 8": DEFAULT.replace(ragged_min_splits=8),
+    "ragged floor 4 from 32 states": DEFAULT.replace(ragged_split_states=32),
 }
+ONLY_RAGGED = "--ragged" in sys.argv
 
 
 def _patch_branching() -> None:
@@ -121,9 +123,11 @@ def main() -> None:
     fi = from_source_tree(".anchors/flashinfer", "90", torch)
     torch.manual_seed(0)
     rows: list = []
-    two_way(fi, rows)
+    if not ONLY_RAGGED:
+        two_way(fi, rows)
     if not BRANCHING:
-        n_way(fi, rows)
+        if not ONLY_RAGGED:
+            n_way(fi, rows)
         ragged(fi, rows)
     print("\ncase | variant | ours us | FlashInfer us | FlashInfer / ours | % of copy")
     for label, variant, ours, theirs, ratio, copy, _ in rows:

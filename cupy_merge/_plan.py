@@ -434,7 +434,8 @@ def plan_many_states(
             packs = max(tuning.min_pack_threads, tuning.packed_many_threads // splits)  # whole sectors a load
             threads_x = _group_block(packs, group["packs_per_group"], limit)
         else:
-            threads_x, splits = choose_packed_block(geometry["total_packs"], row_states, group["packs_per_group"], tuning)
+            threads_x, splits = choose_packed_block(geometry["total_packs"], row_states, group["packs_per_group"], tuning,
+                                                    ragged=indptr is not None)  # fmt: skip
         grid = (-(-geometry["total_packs"] // threads_x), 1, 1)
         strides = {
             "out_stride_token": _in_packs(out.strides[0], num_tokens, _elements(out, vec)),
@@ -484,7 +485,7 @@ def _partial_bytes(vec: int) -> int:
 
 
 def choose_packed_block(
-    total_packs: int, row_states: int, packs_per_group: int, tuning: Tuning
+    total_packs: int, row_states: int, packs_per_group: int, tuning: Tuning, ragged: bool = False
 ) -> tuple[int, int]:
     """The packed N-way kernel's block: (packs, splits of each pack's states).
 
@@ -496,11 +497,15 @@ def choose_packed_block(
     ``packed_many_threads`` threads: a decode step's rows of hundreds of states
     spread over the multiprocessors, and one of 16 states keeps its one block of
     128 threads (faster: session 10's sweep). The splits then fill at most
-    ``packed_block_limit`` threads. A block holds whole FP8 groups.
+    ``packed_block_limit`` threads. A block holds whole FP8 groups. ``ragged``
+    rows (``row_states`` their mean) of many states take at least
+    ``ragged_min_splits``.
     """
     splits = choose_state_splits(
         row_states, total_packs, tuning.merge_chunk, tuning, tuning.packed_max_splits
     )
+    if ragged and row_states >= tuning.ragged_split_states:
+        splits = max(splits, min(tuning.ragged_min_splits, -(-row_states // tuning.merge_chunk)))
     packs = max(tuning.min_row_threads, tuning.packed_many_threads // splits)
     while (
         packs > tuning.min_pack_threads

@@ -38,6 +38,13 @@ class Tuning:
     #: over up to max_splits thread groups of one block (sessions 3-8).
     busy_threads: int = 128 * 1024
     max_splits: int = 16
+    #: ... and ragged rows of ragged_split_states states or more on average take at least
+    #: ragged_min_splits (where their chunks allow), however many threads the rows give. Session 31
+    #: (.ci/fi_miss_sweep.py, 32 heads of 128, bf16): 512 tokens of ~200 states 85.5 -> 94.1 % of the
+    #: copy at four splits (FlashInfer / ours 0.935 -> 1.033), of ~100 84.2 -> 93.2 %; 64 tokens
+    #: (four splits already) lost 16 points at sixteen; rows of 8-16 states gained nothing.
+    ragged_min_splits: int = 4
+    ragged_split_states: int = 64
     max_block_threads: int = 256
     #: The packed N-way kernel's fewest threads across rows in a block...
     min_row_threads: int = 32

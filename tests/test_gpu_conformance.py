@@ -189,14 +189,17 @@ def _run_jax_batched(operation, variant, arrays, rng, way):
 
 def _shard_map(function, in_specs, out_specs):
     """``jax.shard_map`` (``jax.experimental.shard_map`` before JAX 0.7) of ``function`` over a mesh
-    of every device of JAX's default platform, axis ``x``, under ``jax.jit``."""
+    of every device of JAX's default platform (the CPU stand-in's ``jax.default_device`` platform
+    where it is set: on a GPU machine the CPU part would shard over the GPUs), axis ``x``, under
+    ``jax.jit``."""
     import jax
     from jax.sharding import Mesh
 
     shard_map = getattr(jax, "shard_map", None)
     if shard_map is None:
         from jax.experimental.shard_map import shard_map
-    mesh = Mesh(np.array(jax.devices()), ("x",))
+    platform = getattr(getattr(jax.config, "jax_default_device", None), "platform", None)
+    mesh = Mesh(np.array(jax.devices(platform)), ("x",))
     return jax.jit(shard_map(function, mesh=mesh, in_specs=in_specs, out_specs=out_specs)), mesh.size
 
 

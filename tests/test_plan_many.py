@@ -325,3 +325,16 @@ def test_a_dense_merge_of_more_states_a_token_than_the_kernels_take_is_refused_n
     # The ragged merge's bound is checked with its offsets, on the host.
     with pytest.raises(ValueError, match=rf"^indptr: expected at most 65536 states a token, got {most + 1}"):
         _array_rules.indptr_values(np.array([0, 1, most + 2]), most + 2)
+
+
+def test_ragged_rows_of_many_states_take_at_least_four_splits():
+    """Session 31's sweep: 512 tokens of ~200 states reached 94 % of the copy at four splits, 85 % at
+    the one the threads alone asked for; rows of a few states keep one."""
+    from cupy_merge import _plan, _tuning
+
+    tuning, packs = _tuning.DEFAULT, 32 * 128 // 8  # 32 heads of 128 bf16 values, 8 a pack
+    assert _plan.choose_packed_block(512 * packs, 200, 1, tuning, ragged=True)[1] == 4
+    assert _plan.choose_packed_block(512 * packs, 200, 1, tuning)[1] == 1  # dense rows: the threads decide
+    assert _plan.choose_packed_block(1024 * packs, 8, 1, tuning, ragged=True)[1] == 1
+    assert _plan.choose_packed_block(64 * packs, 100, 1, tuning, ragged=True)[1] == 4
+    assert _plan.choose_packed_block(512 * packs, 200, 1, tuning.replace(ragged_min_splits=1), ragged=True)[1] == 1
