@@ -5,7 +5,7 @@ variant is checked against FlashInfer's result, then timed paired with FlashInfe
 same process (CUDA events, L2 flushed, the median of 3 rounds), with a same-bytes copy.
 The predictions being tested: docs/PERF.md, session 28 (a helper's static analysis).
 
-Usage (device, carry .anchors): python3 .ci/fi_miss_sweep.py [--ragged: the ragged cases only];
+Usage (device, carry .anchors): python3 .ci/fi_miss_sweep.py [--ragged | --two-way: those cases only];
 python3 .ci/fi_miss_sweep.py --branching
 """
 
@@ -28,6 +28,14 @@ N_WAY_VARIANTS = {
     "min_blocks 132": DEFAULT.replace(min_blocks=132),
     "min_blocks 256": DEFAULT.replace(min_blocks=256),
     "row 8, 64 threads, min_blocks 512": DEFAULT.replace(min_row_threads=8, packed_many_threads=64, min_blocks=512),
+    "min_blocks 256, 8 packs": DEFAULT.replace(min_blocks=256, min_pack_threads=8),
+    "plain loads": DEFAULT.replace(packed_streaming_below=0),
+}
+TWO_WAY_VARIANTS = {
+    "default": DEFAULT,
+    "64 threads": DEFAULT.replace(packed_two_threads=64),
+    "32 threads": DEFAULT.replace(packed_two_threads=32),
+    "plain loads": DEFAULT.replace(packed_streaming_below=0),
 }
 RAGGED_VARIANTS = {
     "default": DEFAULT,
@@ -36,6 +44,7 @@ RAGGED_VARIANTS = {
     "ragged floor 4 from 32 states": DEFAULT.replace(ragged_split_states=32),
 }
 ONLY_RAGGED = "--ragged" in sys.argv
+ONLY_TWO_WAY = "--two-way" in sys.argv
 
 
 def _patch_branching() -> None:
@@ -82,8 +91,10 @@ def two_way(fi, rows: list) -> None:
         out, out_lse = torch.empty_like(v_a), torch.empty(heads, tokens, device="cuda")
         theirs = fi.two_way(v_a, s_a, v_b, s_b)
         ours = functools.partial(cm.merge_state, v_a, s_a.T, v_b, s_b.T, out=out, out_lse=out_lse, lse_base=2)
-        measure(f"two {tokens}x{heads}x{head_size}", "branching" if BRANCHING else "default", DEFAULT, ours,
-                theirs, out, theirs(), 3 * v_a.nbytes + 3 * s_a.nbytes, rows)  # fmt: skip
+        variants = {"branching": DEFAULT} if BRANCHING else TWO_WAY_VARIANTS
+        for name, tuning in variants.items():
+            measure(f"two {tokens}x{heads}x{head_size}", name, tuning, ours, theirs, out, theirs(),
+                    3 * v_a.nbytes + 3 * s_a.nbytes, rows)  # fmt: skip
 
 
 def n_way(fi, rows: list) -> None:
@@ -125,7 +136,7 @@ def main() -> None:
     rows: list = []
     if not ONLY_RAGGED:
         two_way(fi, rows)
-    if not BRANCHING:
+    if not BRANCHING and not ONLY_TWO_WAY:
         if not ONLY_RAGGED:
             n_way(fi, rows)
         ragged(fi, rows)
