@@ -85,7 +85,10 @@ def measure(label: str, variant: str, tuning, ours, theirs, out, their_out, traf
 
 
 def two_way(fi, rows: list) -> None:
-    for tokens, heads, head_size in [(4096, 8, 64), (4096, 32, 128), (1, 32, 128)]:
+    sizes = [(4096, 8, 64), (4096, 32, 128), (1, 32, 128)]
+    if ONLY_TWO_WAY:  # the benchmark's two-way cases too
+        sizes += [(64, 32, 128), (1024, 32, 128), (8192, 32, 128), (256, 8, 128), (16384, 8, 64)]
+    for tokens, heads, head_size in sizes:
         v_a, v_b = (torch.randn(tokens, heads, head_size, device="cuda").bfloat16() for _ in range(2))
         s_a, s_b = (torch.randn(tokens, heads, device="cuda") * 3 for _ in range(2))  # FlashInfer's [T, H], base 2
         out, out_lse = torch.empty_like(v_a), torch.empty(heads, tokens, device="cuda")
