@@ -559,13 +559,10 @@ def refuse_forward_mode(operation: _ops.Operation, operands: Any) -> None:
 
 def _distinct(arguments: tuple) -> tuple:
     """``arguments`` with each tensor met again replaced by a view of it (autograd sums their gradients)."""
-    seen: set[int] = set()
-    distinct = []
+    distinct: list = []
     for argument in arguments:
-        if hasattr(argument, "view_as"):
-            if id(argument) in seen:
-                argument = argument.view_as(argument)
-            seen.add(id(argument))
+        if hasattr(argument, "view_as") and any(argument is earlier for earlier in distinct):
+            argument = argument.view_as(argument)  # (by identity: Dynamo before 2.13 cannot trace id())
         distinct.append(argument)
     return tuple(distinct)
 

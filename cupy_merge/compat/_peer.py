@@ -6,7 +6,7 @@ axis order from the peer's layout and the core's, ``_ops``), so no drop-in is wr
 >>> MERGE_STATE = PeerMerge(                                    # doctest: +SKIP
 ...     _ops.MERGE_STATE, (Arg("v_a", "v_a", VALUES), Arg("v_b", "v_b", VALUES), Arg("s_a", "s_a", LSE),
 ...     Arg("s_b", "s_b", LSE)), results=(Arg("V", "out", VALUES), Arg("S", "out_lse", LSE)), ...)
->>> V, S = MERGE_STATE(locals(), stream, lse_base=2)           # doctest: +SKIP
+>>> V, S = MERGE_STATE({"v_a": v_a, "s_a": s_a, "v_b": v_b, "s_b": s_b}, stream, lse_base=2)  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def merge_state(
     >>> V.shape, S.shape, S.dtype                                                  # doctest: +SKIP
     (torch.Size([2048, 32, 128]), torch.Size([2048, 32]), torch.float32)
     """
-    return _MERGE_STATE(locals(), stream, lse_base=2)  # type: ignore[return-value]
+    return _MERGE_STATE({"v_a": v_a, "s_a": s_a, "v_b": v_b, "s_b": s_b}, stream, lse_base=2)  # type: ignore[return-value]
 
 
 def merge_state_in_place(
@@ -201,7 +201,8 @@ def merge_state_in_place(
     >>> mask = torch.rand(512, device="cuda") > 0.5                                # doctest: +SKIP
     >>> flashinfer.merge_state_in_place(v, s, v_other, s_other, mask)              # doctest: +SKIP
     """
-    _MERGE_STATE_IN_PLACE(locals(), stream, lse_base=2)
+    given = {"v": v, "s": s, "v_other": v_other, "s_other": s_other, "mask": mask}
+    _MERGE_STATE_IN_PLACE(given, stream, lse_base=2)
 
 
 def merge_states(v: Array, s: Array, *, stream: Stream = None) -> tuple[Array, Array]:
@@ -261,7 +262,7 @@ def merge_states(v: Array, s: Array, *, stream: Stream = None) -> tuple[Array, A
     >>> V.shape, S.shape                                                           # doctest: +SKIP
     (torch.Size([2048, 32, 128]), torch.Size([2048, 32]))
     """
-    return _MERGE_STATES(locals(), stream, lse_base=2)  # type: ignore[return-value]
+    return _MERGE_STATES({"v": v, "s": s}, stream, lse_base=2)  # type: ignore[return-value]
 
 
 def variable_length_merge_states(
@@ -333,7 +334,8 @@ def variable_length_merge_states(
     (torch.Size([2048, 32, 128]), torch.Size([2048, 32]))
     """
     expect_flag(check_indptr, "check_indptr")
-    return _VARIABLE_LENGTH(locals(), stream, lse_base=2, check_indptr=check_indptr)  # type: ignore[return-value]
+    given = {"v": v, "s": s, "indptr": indptr}
+    return _VARIABLE_LENGTH(given, stream, lse_base=2, check_indptr=check_indptr)  # type: ignore[return-value]
 
 
 __all__ = ["merge_state", "merge_state_in_place", "merge_states", "variable_length_merge_states"]

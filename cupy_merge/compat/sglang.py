@@ -147,7 +147,8 @@ def merge_state_v2(
     """
     expect_flag(enable_pdl, "enable_pdl", none=True)
     convention = "SGLang's token-major LSE, base 2" if lse_base == 2 else ""
-    return _MERGE_STATE_V2(locals(), stream, convention, lse_base=lse_base)  # type: ignore[return-value]
+    given = {"v_a": v_a, "s_a": s_a, "v_b": v_b, "s_b": s_b, "v_merged": v_merged, "s_merged": s_merged}
+    return _MERGE_STATE_V2(given, stream, convention, lse_base=lse_base)  # type: ignore[return-value]
 
 
 def merge_state(
@@ -215,7 +216,9 @@ def merge_state(
     >>> lse = torch.randn(613, 32, device="cuda")                                  # doctest: +SKIP
     >>> output, output_lse = sglang.merge_state(o, lse, o, lse)                    # doctest: +SKIP
     """
-    return _MERGE_STATE(locals(), stream, "")  # type: ignore[return-value]
+    given = {"prefix_output": prefix_output, "prefix_lse": prefix_lse, "suffix_output": suffix_output,
+             "suffix_lse": suffix_lse, "output": output, "output_lse": output_lse}  # fmt: skip
+    return _MERGE_STATE(given, stream, "")  # type: ignore[return-value]
 
 
 __all__ = ["merge_state", "merge_state_v2"]
