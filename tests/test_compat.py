@@ -1050,3 +1050,20 @@ def test_a_drop_in_refuses_an_input_that_requires_grad_by_its_name(core, call, n
     with torch.no_grad():
         call(r)
     assert len(core.calls) == 1
+
+
+def test_code_dynamo_traces_calls_no_locals():
+    """Dynamo before torch 2.13 (the GPU machine's 2.11) cannot trace ``locals()``: every drop-in's
+    body passed it to its declaration, and torch.compile(fullgraph=True) of them failed there
+    (CI runs torch 2.13, which traces it)."""
+    import ast
+    import pathlib
+
+    import cupy_merge
+
+    package = pathlib.Path(cupy_merge.__file__).parent
+    traced = [*package.glob("compat/*.py"), *(package / name for name in ("merge.py", "merge_many.py", "backward.py",
+                                                                        "torch_ops.py", "_dispatch.py", "_options.py"))]  # fmt: skip
+    calls = [f"{path.name}:{node.lineno}" for path in traced for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("locals", "id")]  # fmt: skip
+    assert not calls, calls
