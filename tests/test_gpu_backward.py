@@ -16,6 +16,11 @@ TOLERANCE = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
 #: the LSE and sinks' gradients (dS - <dV, V> cancels) carry that rounding (measured up to 2.1e-2
 #: for sinks' gradients of 1e-5 to 1e-4, whose terms cancel).
 GIVEN_TOLERANCE = {**TOLERANCE, "float16": 4e-2, "bfloat16": 4e-2}
+#: ... relative to the terms that cancel, not to their sum: with hundreds of states the sinks' weight is
+#: small and their gradient far smaller than its terms. Session 31, NumPy, 3,000 draws of this file's
+#: 300-state case with the merged values rounded to bfloat16: the sinks' gradient's relative error
+#: p99.9 2.1e-2, largest 7.6e-2 (the H200's one failure at 4e-2); the LSEs' at most 6e-3.
+GIVEN_SINKS_FLOOR = 1.5e-1
 _tolerance = {"now": TOLERANCE}
 
 
@@ -388,7 +393,8 @@ def _expect_the_references_gradients(rng, tuning, num_states, tokens, heads, hea
         want = reference.merge_states_backward(to_host(v), to_host(s), to_host(grad_v), to_host(grad_s),
                                                sinks=to_host(sinks))  # fmt: skip
     for index, what in enumerate(("grad of v", "grad of s", "grad of the sinks")):
-        _close(got[index], want[index], precision or dtype, what)
+        given_16_bit = _tolerance["now"] is GIVEN_TOLERANCE and dtype != "float32"
+        _close(got[index], want[index], precision or dtype, what, GIVEN_SINKS_FLOOR if index == 2 and given_16_bit else 0.0)
 
 
 @pytest.mark.parametrize("staged", [True, False])  # chunks staged in shared memory (cp.async), or held in registers
