@@ -170,15 +170,16 @@ def set_default_tuning(tuning: _tuning.Tuning) -> None:
 # -- the call sequence ----------------------------------------------------------------------------
 
 
+#: What the compiler hook returns for a call it finds is not traced: :func:`call` runs it eagerly.
+RUN_EAGERLY = object()
+
+
 def call(operation: Operation, options: Options, operands: Operands, stream: Any) -> Any:
     """Run one merge: the call prepared for these arrays, options and tuning, or a new one."""
     if _compiling():
-        return _compiled_call(operation, options, operands, stream)  # type: ignore[misc]
-    return eager_call(operation, options, operands, stream)
-
-
-def eager_call(operation: Operation, options: Options, operands: Operands, stream: Any) -> Any:
-    """:func:`call` past the compiler hook (which hands back here a call it finds is not traced)."""
+        result = _compiled_call(operation, options, operands, stream)  # type: ignore[misc]
+        if result is not RUN_EAGERLY:
+            return result
     tuning = _tuning.current()
     calls = _calls  # read before its owner (set_default_tuning sets them in the other order)
     if tuning is not _calls_owner:

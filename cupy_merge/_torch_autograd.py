@@ -36,6 +36,19 @@ def refuse_writes_under_grad(operation: _ops.Operation, *inputs: Any) -> None:
         raise writes_refused(operation)
 
 
+def gradients_not_differentiable(operation: _ops.Operation) -> RuntimeError:
+    return RuntimeError(
+        f"{operation.name}: an input requires grad in grad mode (backward(create_graph=True)?); "
+        f"the merges' gradients are not differentiable again"
+    )
+
+
+def refuse_differentiating_gradients(operation: _ops.Operation, *inputs: Any) -> None:
+    """A backward merge traced in grad mode on inputs that require grad is refused, as eagerly."""
+    if sys.modules["torch"].is_grad_enabled() and requires_grad(*inputs):
+        raise gradients_not_differentiable(operation)
+
+
 def refuse_written_grad(operation: _ops.Operation, operands: Any) -> None:
     """In grad mode, a merge into a given tensor that requires grad is refused, as torch's own
     ``out=`` ops refuse it (under ``torch.no_grad()`` it writes)."""

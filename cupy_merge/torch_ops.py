@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from . import _arrays, _dispatch, _ops, _tuning
+from . import _arrays, _dispatch, _ops
 from . import backward as _backward  # noqa: F401 - these attach the public functions to the declarations
 from . import merge as _merge  # noqa: F401
 from . import merge_many as _merge_many  # noqa: F401
@@ -42,7 +42,9 @@ from ._catalogue import VALUES_PER_ELEMENT
 from ._operands import WRITTEN, BackwardOperands
 from ._torch_autograd import (
     function_arguments,
+    gradients_not_differentiable,
     make_functions,
+    refuse_differentiating_gradients,
     refuse_tangents,
     refuse_traced_grad,
     refuse_undifferentiable,
@@ -476,8 +478,7 @@ def _fake(op: _TorchOp, *args: Any, **kwargs: Any) -> Any:
     operands, options = _from_arguments(op, args, kwargs)
     operation = op.operation
     if operation.is_backward:
-        if torch.is_grad_enabled() and requires_grad(*_read(operands)):
-            raise _gradients_not_differentiable(operation)
+        refuse_differentiating_gradients(operation, *_read(operands))
     elif op.form == "functional":
         refuse_traced_grad(operation, *_read(operands))
     else:  # in place, or *_out: writes into its arguments
@@ -492,7 +493,9 @@ def _fake(op: _TorchOp, *args: Any, **kwargs: Any) -> Any:
 
 
 def _compiled_call(operation: _ops.Operation, options: Any, operands: Any, stream: Any) -> Any:
-    """The compiler hook: the public merge as its op, outputs left out allocated in the graph."""
+    """The compiler hook: the public merge as its op, outputs left out allocated in the graph
+    (``_dispatch.RUN_EAGERLY`` for a call nothing traces: CuPy arrays under a user's dispatch mode,
+    tensors without tangents inside a forward-mode AD level)."""
     _attach()
     torch = sys.modules["torch"]
     if _forward_ad._current_level >= 0:  # a dual level is open (in some thread: torch keeps one)
@@ -500,16 +503,14 @@ def _compiled_call(operation: _ops.Operation, options: Any, operands: Any, strea
             raise tangents_unseen(operation)
         refuse_forward_mode(operation, operands)
         if not _tracing():
-            return _dispatch.eager_call(operation, options, operands, stream)
+            return _dispatch.RUN_EAGERLY
     primary = operands[2]
     if not isinstance(primary, torch.Tensor):
         if torch.compiler.is_compiling():
             raise TypeError(
                 f"{operation.names[2]}: under torch.compile a merge takes torch tensors, got {type(primary).__name__}"
             )
-        # A user's dispatch mode over CuPy arrays: nothing of torch is traced, run eagerly.
-        return _dispatch.run(operation, _dispatch.prepare(operation, options, operands, _tuning.current()),
-                             operands, stream)  # fmt: skip
+        return _dispatch.RUN_EAGERLY  # a user's dispatch mode over CuPy arrays: nothing of torch is traced
     if stream is not None:
         raise ValueError(
             "stream: a merge that torch traces or sees through a dispatch mode (torch.compile, torch.export, "
@@ -517,8 +518,7 @@ def _compiled_call(operation: _ops.Operation, options: Any, operands: Any, strea
             "torch.cuda.stream(s) around the call instead"
         )
     if operation.is_backward:
-        if torch.is_grad_enabled() and requires_grad(*_read(operands)):
-            raise _gradients_not_differentiable(operation)
+        refuse_differentiating_gradients(operation, *_read(operands))
         if _jit_tracing() is not None:
             raise TypeError(
                 f"{operation.name}: torch.jit.trace cannot record the backward merges (their optional "
@@ -570,18 +570,11 @@ def _distinct(arguments: tuple) -> tuple:
 # -- autograd ---------------------------------------------------------------------------------------------
 
 
-def _gradients_not_differentiable(operation: _ops.Operation) -> RuntimeError:
-    return RuntimeError(
-        f"{operation.name}: an input requires grad in grad mode (backward(create_graph=True)?); "
-        f"the merges' gradients are not differentiable again"
-    )
-
-
 def _autograd_call(operation: _ops.Operation, options: Any, operands: Any, stream: Any) -> Any:
     """The autograd hook: an eager merge of tensors that require grad, in grad mode."""
     _attach()
     if operation.is_backward:
-        raise _gradients_not_differentiable(operation)
+        raise gradients_not_differentiable(operation)
     refuse_written_grad(operation, operands)
     if not operation.returns:
         raise writes_refused(operation)
