@@ -55,6 +55,16 @@ def main() -> None:
         old = statistics.median(old_values) if old_values else float("nan")
         spread = f"{' '.join(f'{v:.1f}' for v in old_values or [])} | {' '.join(f'{v:.1f}' for v in results['new'][row])}"
         print(f"{row:<44} {old:8.2f} {new:8.2f} {new / old:8.2f}   {spread}")
+    # JAX's eager times drift together between processes (40 % between rounds, session 31): each
+    # JAX row as a multiple of JAX's own a + b in the same process drifts far less.
+    yardstick = "jax a + b (eager)"
+    if yardstick in results["new"] and yardstick in results["old"]:
+        print(f"\n{'JAX rows / a + b in the same process':<44} {'old':>8} {'new':>8} {'new/old':>8}")
+        for row in results["new"]:
+            if row.startswith("jax") and row != yardstick and row in results["old"]:
+                ratio = {tree: statistics.median(a / b for a, b in zip(results[tree][row], results[tree][yardstick]))
+                         for tree in ("old", "new")}  # fmt: skip
+                print(f"{row:<44} {ratio['old']:8.2f} {ratio['new']:8.2f} {ratio['new'] / ratio['old']:8.2f}")
 
 
 if __name__ == "__main__":
