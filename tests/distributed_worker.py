@@ -164,6 +164,7 @@ def run_cupy_rank(rank: int, world: int, uid, dtype: str, queue) -> None:
         value_type = _numpy_dtype(dtype)
         cv, cs = cupy.asarray(part_v.astype(value_type)), cupy.asarray(part_s.astype(np.float32))
         stream = cupy.cuda.Stream(non_blocking=True)
+        stream.wait_event(cupy.cuda.get_current_stream().record())  # the inputs' copies, on the null stream
         for shard_heads, op in MODES:
             exact_v, exact_s, _ = _expected(
                 states, lambda x: x.astype(value_type).astype(np.float64), shard_heads, rank, world
@@ -446,6 +447,7 @@ def run_cupy_graph_rank(rank: int, world: int, uid, queue) -> None:
         (new_v, new_s), new_states, _ = _shard_states(rank, world, 8)
         cv, cs = cupy.asarray(part_v.astype(np.float16)), cupy.asarray(part_s.astype(np.float32))
         stream = cupy.cuda.Stream(non_blocking=True)
+        stream.wait_event(cupy.cuda.get_current_stream().record())  # the inputs' copies, on the null stream
         for shard_heads, op in MODES:
             cmd.merge_across_ranks(cv, cs, comm, op=op, shard_heads=shard_heads, stream=stream)
             stream.synchronize()
@@ -454,6 +456,7 @@ def run_cupy_graph_rank(rank: int, world: int, uid, queue) -> None:
             graph = stream.end_capture()
             cv.set(new_v.astype(np.float16))
             cs.set(new_s.astype(np.float32))
+            stream.wait_event(cupy.cuda.get_current_stream().record())
             graph.launch(stream)
             stream.synchronize()
             exact_v, exact_s, _ = _expected(

@@ -171,6 +171,9 @@ def test_a_cupy_merge_takes_a_raw_int_stream(rng, shard_heads, op):
     v = cupy.asarray(rng.standard_normal((5, 4, 32)).astype(np.float32))
     s = cupy.asarray(rng.standard_normal((4, 5)).astype(np.float32))
     stream = cupy.cuda.Stream(non_blocking=True)
+    # The inputs' copies ran on the null stream, which a non-blocking stream does not wait for (the
+    # H200 once read s before its copy landed: the merged LSE was stale memory, the values right).
+    stream.wait_event(cupy.cuda.get_current_stream().record())
     out, lse = merge_across_ranks(v, s, comm, op=op, shard_heads=shard_heads, stream=stream.ptr)
     stream.synchronize()
     np.testing.assert_allclose(cupy.asnumpy(out), cupy.asnumpy(v), rtol=1e-6)
