@@ -2,7 +2,8 @@
 with ``--branching``, the two-way kernel's non-grouped path weighing with ``weigh_pack_branching``
 (patched into the source this process compiles; the disk cache is keyed by the source text). Each
 variant is checked against FlashInfer's result, then timed paired with FlashInfer's kernel in the
-same process (CUDA events, L2 flushed, the median of 3 rounds), with a same-bytes copy.
+same process (CUDA events, L2 flushed; five rounds, each timing every variant in an order rotated
+round by round; the medians), with a same-bytes copy.
 The predictions being tested: docs/PERF.md, session 28 (a helper's static analysis).
 
 Usage (device, carry .anchors): python3 .ci/fi_miss_sweep.py [--ragged | --two-way: those cases only];
@@ -25,6 +26,7 @@ BRANCHING = "--branching" in sys.argv
 DEFAULT = _tuning.DEFAULT
 N_WAY_VARIANTS = {
     "default": DEFAULT,
+    "default again (the noise)": DEFAULT,
     "min_blocks 132": DEFAULT.replace(min_blocks=132),
     "min_blocks 256": DEFAULT.replace(min_blocks=256),
     "row 8, 64 threads, min_blocks 512": DEFAULT.replace(min_row_threads=8, packed_many_threads=64, min_blocks=512),
@@ -33,6 +35,7 @@ N_WAY_VARIANTS = {
 }
 TWO_WAY_VARIANTS = {
     "default": DEFAULT,
+    "default again (the noise)": DEFAULT,
     "64 threads": DEFAULT.replace(packed_two_threads=64),
     "32 threads": DEFAULT.replace(packed_two_threads=32),
     "plain loads": DEFAULT.replace(packed_streaming_below=0),
@@ -45,6 +48,7 @@ RAGGED_VARIANTS = {
 }
 ONLY_RAGGED = "--ragged" in sys.argv
 ONLY_TWO_WAY = "--two-way" in sys.argv
+ROUNDS = 5
 
 
 def _patch_branching() -> None:
@@ -65,23 +69,32 @@ def _us(run) -> float:
     return median_ms(run) * 1e3
 
 
-def measure(label: str, variant: str, tuning, ours, theirs, out, their_out, traffic: int, rows: list) -> None:
-    """``ours`` checked against ``theirs`` (NaN-poisoned first), then both timed alternately."""
-    with _tuning.use(tuning):
-        out.fill_(float("nan"))
-        ours()
-        theirs()
-        torch.cuda.synchronize()
-        assert not torch.isnan(out.float()).any(), f"{label} {variant}: an element was not written"
-        diff = (out.float() - their_out.float()).abs().max().item()
-        times_ours, times_theirs = [], []
-        for _ in range(3):
-            times_ours.append(_us(ours))
-            times_theirs.append(_us(theirs))
-    a, b = statistics.median(times_ours), statistics.median(times_theirs)
-    rows.append((label, variant, a, b, b / a, copy_us(traffic) / a * 100, diff))
-    print(f"{label:24s} {variant:34s} ours {a:8.2f} fi {b:8.2f} fi/ours {b / a:5.3f} "
-          f"copy% {rows[-1][5]:5.1f} diff {diff:.3g}", flush=True)  # fmt: skip
+def measure(label: str, variants: dict, ours, theirs, out, their_out, traffic: int, rows: list) -> None:
+    """``ours`` under each variant's tuning checked against ``theirs`` (NaN-poisoned first), then
+    timed paired with ``theirs``: every variant in each round, the order rotated round by round
+    (session 32: with each variant's rounds back to back, the same kernel measured up to 7 % apart
+    by its place in the sequence)."""
+    diffs = {}
+    for variant, tuning in variants.items():
+        with _tuning.use(tuning):
+            out.fill_(float("nan"))
+            ours()
+            theirs()
+            torch.cuda.synchronize()
+            assert not torch.isnan(out.float()).any(), f"{label} {variant}: an element was not written"
+            diffs[variant] = (out.float() - their_out.float()).abs().max().item()
+    names = list(variants)
+    times: dict = {name: ([], []) for name in names}
+    for round_ in range(ROUNDS):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            with _tuning.use(variants[name]):
+                times[name][0].append(_us(ours))
+                times[name][1].append(_us(theirs))
+    for name in names:
+        a, b = statistics.median(times[name][0]), statistics.median(times[name][1])
+        rows.append((label, name, a, b, b / a, copy_us(traffic) / a * 100, diffs[name]))
+        print(f"{label:24s} {name:34s} ours {a:8.2f} fi {b:8.2f} fi/ours {b / a:5.3f} "
+              f"copy% {rows[-1][5]:5.1f} diff {diffs[name]:.3g}", flush=True)  # fmt: skip
 
 
 def two_way(fi, rows: list) -> None:
@@ -95,9 +108,8 @@ def two_way(fi, rows: list) -> None:
         theirs = fi.two_way(v_a, s_a, v_b, s_b)
         ours = functools.partial(cm.merge_state, v_a, s_a.T, v_b, s_b.T, out=out, out_lse=out_lse, lse_base=2)
         variants = {"branching": DEFAULT} if BRANCHING else TWO_WAY_VARIANTS
-        for name, tuning in variants.items():
-            measure(f"two {tokens}x{heads}x{head_size}", name, tuning, ours, theirs, out, theirs(),
-                    3 * v_a.nbytes + 3 * s_a.nbytes, rows)  # fmt: skip
+        measure(f"two {tokens}x{heads}x{head_size}", variants, ours, theirs, out, theirs(),
+                3 * v_a.nbytes + 3 * s_a.nbytes, rows)  # fmt: skip
 
 
 def n_way(fi, rows: list) -> None:
@@ -110,9 +122,8 @@ def n_way(fi, rows: list) -> None:
         their_out = theirs()
         ours = functools.partial(cm.merge_states, v.transpose(0, 1), s.permute(1, 2, 0), out=out, out_lse=out_lse,
                                  lse_base=2)  # fmt: skip
-        for name, tuning in N_WAY_VARIANTS.items():
-            measure(f"n-way S{states} T{tokens} H{heads}", name, tuning, ours, theirs, out, their_out,
-                    v.nbytes + out.nbytes + s.nbytes, rows)  # fmt: skip
+        measure(f"n-way S{states} T{tokens} H{heads}", N_WAY_VARIANTS, ours, theirs, out, their_out,
+                v.nbytes + out.nbytes + s.nbytes, rows)  # fmt: skip
 
 
 def ragged(fi, rows: list) -> None:
@@ -126,9 +137,8 @@ def ragged(fi, rows: list) -> None:
         their_out = theirs()
         ours = functools.partial(cm.merge_states_varlen, v, s.T, indptr, out=out, out_lse=out_lse, lse_base=2,
                                  check_indptr=False)  # fmt: skip
-        for name, tuning in RAGGED_VARIANTS.items():
-            measure(f"ragged {mean}x{tokens}", name, tuning, ours, theirs, out, their_out,
-                    v.nbytes + out.nbytes + s.nbytes, rows)  # fmt: skip
+        measure(f"ragged {mean}x{tokens}", RAGGED_VARIANTS, ours, theirs, out, their_out,
+                v.nbytes + out.nbytes + s.nbytes, rows)  # fmt: skip
 
 
 def main() -> None:
